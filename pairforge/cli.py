@@ -1,0 +1,72 @@
+"""The ``pairforge`` command: one subcommand per verb of DESIGN.md section 1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from pairforge.config import ConfigError, PairforgeConfig, load_config
+from pairforge.pipeline.progress import console, status_table
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
+                  help="Build image-text pretraining shards for unified autoregressive models.")
+
+ConfigArg = Annotated[Path, typer.Argument(help="YAML config file", exists=False)]
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", help="override a config key, e.g. --set download.threads=64 (repeatable)")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no live progress display")]
+
+
+def _load(config: Path, overrides: list[str] | None) -> PairforgeConfig:
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+
+
+def _print_stage(name: str, summary: dict[str, Any]) -> None:
+    rate = summary.get("rows_per_s")
+    note = f", {rate:,} rows/s" if rate else ""
+    skipped = summary.get("shards_skipped", 0)
+    console.print(f"[b]{name}[/b]: {summary['shards']} shards ({skipped} already complete), "
+                  f"{summary['rows']:,} rows in {summary.get('seconds', 0)} s{note}")
+    console.print(status_table(summary["status"], f"{name} funnel"))
+
+
+def _run_guarded(fn, *args):  # noqa: ANN001, ANN202
+    """Turn start-up problems (bad input, missing column) into a clear message."""
+    try:
+        return fn(*args)
+    except ConfigError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def download(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> None:
+    """Stage 1: fetch, verify, resize and hash every input row into raw shards."""
+    from pairforge.pipeline.runner import run_download
+
+    cfg = _load(config, set_)
+    _print_stage("download", _run_guarded(run_download, cfg, not quiet))
+
+
+@app.command()
+def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> None:
+    """Run every stage in order; complete shards of earlier runs are skipped."""
+    from pairforge.pipeline.runner import run_download
+
+    cfg = _load(config, set_)
+    _print_stage("download", _run_guarded(run_download, cfg, not quiet))
+    console.print(f"raw shards: [b]{cfg.output.path}/raw/[/b]")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Typed configuration: one YAML file plus ``--set a.b=c`` overrides, validated up front.
+
+Every model forbids unknown keys, so a typo stops the run before any work with a
+message naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class InputConfig(Strict):
+    """Where the (url, caption) pairs come from (img2dataset's names for the columns)."""
+
+    path: str | list[str] = Field(
+        description="file, glob, folder or list of them (any fsspec URL); "
+        "'bundled-sample' serves the packaged sample over loopback HTTP")
+    format: Literal["auto", "txt", "csv", "tsv", "json", "jsonl", "parquet", "folder",
+                    "webdataset"] = "auto"
+    url_col: str = "url"
+    caption_col: str | None = "caption"
+    save_additional_columns: list[str] = Field(default_factory=list)
+    shard_size: int = Field(10_000, gt=0, description="rows per shard")
+    storage_options: dict[str, Any] = Field(default_factory=dict,
+                                            description="passed to fsspec (e.g. S3 endpoint)")
+
+
+class OutputConfig(Strict):
+    path: str = Field("out", description="output root (local path or fsspec URL)")
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+
+class RayConfig(Strict):
+    address: str | None = Field(None, description="cluster address; RAY_ADDRESS also works")
+    num_cpus: int | None = Field(None, gt=0, description="local Ray only: CPUs to use")
+    object_store_memory: int = Field(512 * 1024**2, gt=0,
+                                     description="local Ray only: bytes of object store")
+    max_task_retries: int = Field(3, ge=0, description="retries of a task lost with its node")
+
+
+class ImageConfig(Strict):
+    """Resize and re-encode, with img2dataset's names and meanings."""
+
+    resize_mode: Literal["no", "keep_ratio", "keep_ratio_largest", "center_crop",
+                         "border"] = "keep_ratio"
+    image_size: int = Field(256, gt=0)
+    resize_only_if_bigger: bool = False
+    min_image_size: int = Field(0, ge=0, description="smallest allowed side of the original")
+    max_aspect_ratio: float = Field(float("inf"), gt=0,
+                                    description="largest allowed long/short side ratio")
+    encode_format: Literal["jpg", "webp", "png"] = "jpg"
+    encode_quality: int = Field(95, ge=0, le=100)
+    max_pixels: int = Field(89_478_485, gt=0,
+                            description="decoded-pixel cap (decompression bombs)")
+
+
+class DownloadConfig(Strict):
+    processes: int | None = Field(None, gt=0,
+                                  description="shards downloaded at once (default: CPUs)")
+    threads: int = Field(32, gt=0, description="fetch threads per shard task")
+    timeout: float = Field(10.0, gt=0, description="seconds per request (connect and read)")
+    retries: int = Field(2, ge=0, description="extra tries after 429/5xx/connection errors")
+    backoff: float = Field(0.5, ge=0, description="first retry delay, doubled each try")
+    max_retry_after: float = Field(30.0, ge=0, description="longest Retry-After honoured")
+    max_redirects: int = Field(5, ge=0)
+    max_bytes: int = Field(20 * 1024**2, gt=0, description="body cap, read while streaming")
+    user_agent_token: str | None = Field(None, description="added to the User-Agent")
+    per_host_connections: int = Field(8, gt=0, description="politeness: requests at once per host")
+    respect_robots: bool = Field(True, description="honour X-Robots-Tag opt-outs")
+    robots_directives: list[str] = Field(
+        default_factory=lambda: ["noai", "noimageai", "noindex", "noimageindex"],
+        description="X-Robots-Tag directives that opt an image out (img2dataset's set)")
+    allow_addresses: list[str] = Field(
+        default_factory=list,
+        description="CIDRs the address guard lets through (e.g. 127.0.0.1/32 for tests)")
+    allow_file_scheme: bool = False
+    image: ImageConfig = Field(default_factory=ImageConfig)
+
+    @field_validator("allow_addresses")
+    @classmethod
+    def _valid_networks(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for net in value:
+            ipaddress.ip_network(net, strict=False)
+        return value
+
+
+class DedupConfig(Strict):
+    enabled: bool = True
+    max_distance: int = Field(
+        4, ge=0, le=16,
+        description="largest phash Hamming distance counted as a near duplicate")
+    index: list[str] = Field(default_factory=list,
+                             description="dedup index parquet files of earlier builds")
+    write_index: bool = Field(True, description="write this build's hashes as an index")
+
+
+class PairforgeConfig(Strict):
+    input: InputConfig
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    download: DownloadConfig = Field(default_factory=DownloadConfig)
+    dedup: DedupConfig = Field(default_factory=DedupConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before any work starts."""
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, raw_value: str) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: '{key}' is not a section")
+    node[keys[-1]] = yaml.safe_load(raw_value)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        dotted, raw_value = item.split("=", 1)
+        _set_dotted(data, dotted.strip(), raw_value)
+    return data
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{where}'")
+        else:
+            lines.append(f"'{where}': {e['msg']} (got {e.get('input')!r})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def parse_config(data: dict[str, Any], overrides: list[str] | None = None) -> PairforgeConfig:
+    data = apply_overrides(dict(data), overrides or [])
+    try:
+        return PairforgeConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> PairforgeConfig:
+    """Read a YAML config, apply overrides, validate; raise ConfigError naming the key."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err}") from None
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping at the top level")
+    return parse_config(data, overrides)

@@ -1,0 +1,143 @@
+"""Stage 1: fetch, verify, resize, re-encode and hash one shard of input rows.
+
+One shard is one Ray task; inside it a thread pool overlaps network waits while Pillow
+(which releases the GIL while decoding and resizing) keeps the task's CPU busy.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import fsspec
+
+from pairforge.config import PairforgeConfig
+from pairforge.pipeline.fetch import Fetcher, FetchResult
+from pairforge.pipeline.imageproc import ImageFailure, ProcessedImage, process_image
+from pairforge.pipeline.inputs import InputShard
+from pairforge.records import Status, index_digits, make_key
+from pairforge.shards.raw import RawShardWriter
+from pairforge.shards.storage import OutputDir
+
+RAW_FOLDER = "raw"
+ProgressFn = Callable[[Counter], None]
+
+
+def decode_caption(raw: bytes | None, required: bool) -> tuple[str | None, str | None]:
+    """(caption, error): a required caption must be non-empty valid UTF-8."""
+    if raw is None:
+        return None, ("missing caption" if required else None)
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as err:
+        return None, f"caption is not valid UTF-8 ({err.reason} at byte {err.start})"
+    if required and not text:
+        return None, "empty caption"
+    return text, None
+
+
+def _read_tar_members(sources: list[str]) -> dict[str, bytes]:
+    """Bytes of every ``tar:LOCATION#MEMBER`` source, one sequential pass per tar."""
+    wanted: dict[str, set[str]] = defaultdict(set)
+    for source in sources:
+        location, member = source[len("tar:"):].rsplit("#", 1)
+        wanted[location].add(member)
+    found: dict[str, bytes] = {}
+    for location, members in wanted.items():
+        with fsspec.open(location, "rb") as f, tarfile.open(fileobj=f, mode="r|*") as tar:
+            for info in tar:
+                if info.name in members:
+                    found[f"tar:{location}#{info.name}"] = tar.extractfile(info).read()
+    return found
+
+
+class ShardDownloader:
+    def __init__(self, cfg: PairforgeConfig, fetcher: Fetcher):
+        self.cfg, self.fetcher = cfg, fetcher
+        self.caption_required = cfg.input.caption_col is not None
+        self.local_bytes: dict[str, bytes] = {}
+
+    def _fetch(self, url: str | None, source: str | None) -> FetchResult:
+        if source is None:
+            return self.fetcher.fetch(url or "")
+        if source.startswith("tar:"):
+            return FetchResult(Status.OK, None, self.local_bytes[source], None, source)
+        try:
+            with fsspec.open(source, "rb") as f:
+                return FetchResult(Status.OK, None, f.read(), None, source)
+        except OSError as err:
+            return FetchResult(Status.DOWNLOAD_ERROR, f"cannot read {source}: {err}",
+                               None, None, source)
+
+    def one(self, row: dict[str, Any]) -> tuple[dict[str, Any], ProcessedImage | None]:
+        """The parquet record of one input row, and its image when it is ok."""
+        caption, caption_error = decode_caption(row.pop("caption"), self.caption_required)
+        source = row.pop("source")
+        record: dict[str, Any] = {**row, "caption": caption, "status": Status.OK.value,
+                                  "error": None}
+        if caption_error:
+            return {**record, "status": Status.CAPTION_INVALID.value,
+                    "error": caption_error}, None
+        fetched = self._fetch(row["url"], source)
+        record["http_status"] = fetched.http_status
+        if fetched.status != Status.OK:
+            return {**record, "status": fetched.status.value, "error": fetched.error}, None
+        image = process_image(fetched.body, self.cfg.download.image)
+        if isinstance(image, ImageFailure):
+            return {**record, "status": image.status.value, "error": image.error}, None
+        record.update(
+            image_format=image.format, width=image.width, height=image.height,
+            original_width=image.original_width, original_height=image.original_height,
+            sha256=image.sha256, pixel_hash=image.pixel_hash, phash=image.phash,
+            exif=image.exif)
+        return record, image
+
+
+def _sample_meta(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if v is not None and k != "http_status"}
+
+
+def download_shard(shard: InputShard, cfg: PairforgeConfig,
+                   progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Download one shard and write its tar, parquet and (last) stats file."""
+    started = time.time()
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
+    out.makedirs(RAW_FOLDER)
+    extras = cfg.input.save_additional_columns
+    rows = shard.rows.to_pylist()
+    digits = index_digits(cfg.input.shard_size)
+    for i, row in enumerate(rows):
+        row["key"] = make_key(shard.shard_id, i, digits)
+    fetcher = Fetcher(cfg.download)
+    worker = ShardDownloader(cfg, fetcher)
+    worker.local_bytes = _read_tar_members(
+        [r["source"] for r in rows if (r["source"] or "").startswith("tar:")])
+    writer = RawShardWriter(out, RAW_FOLDER, shard.shard_id, extras)
+    pending: Counter = Counter()
+    last_report = time.monotonic()
+    try:
+        with ThreadPoolExecutor(cfg.download.threads) as pool:
+            # map() keeps input order, so keys are written in order whatever finishes first.
+            for record, image in pool.map(worker.one, rows):
+                writer.add(record, image.data if image else None,
+                           image.format if image else None, _sample_meta(record))
+                pending[record["status"]] += 1
+                if progress and time.monotonic() - last_report > 0.5:
+                    progress(pending)
+                    pending, last_report = Counter(), time.monotonic()
+    except BaseException as exc:
+        writer.abort(exc)
+        raise
+    finally:
+        fetcher.close()
+    if progress and pending:
+        progress(pending)
+    return writer.close({"stage": "download", "start_time": started, "end_time": time.time(),
+                         "duration_s": round(time.time() - started, 3),
+                         "config": json.loads(cfg.download.model_dump_json())})
+

@@ -1,0 +1,209 @@
+"""Reading input lists and splitting them into shards with stable keys.
+
+Sources: url lists (txt, csv, tsv, json, jsonl — each optionally gzipped — and parquet,
+local or any fsspec URL), a folder of images with ``.txt`` sidecars, and existing
+WebDataset tars. Every source becomes one Arrow table with the columns ``url``,
+``caption`` (binary: it is decoded, and rejected if invalid, per row by the download
+stage), ``source`` (where to read local bytes, null for HTTP) and the user's extra
+columns. Problems that make the whole input unusable raise ``ConfigError`` before any
+work starts.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import fsspec
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+
+from pairforge.config import ConfigError, InputConfig
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+TABLE_FORMATS = ("txt", "csv", "tsv", "json", "jsonl", "parquet")
+BUNDLED_SAMPLE = "bundled-sample"
+
+
+@dataclass(frozen=True)
+class InputShard:
+    shard_id: int
+    rows: pa.Table  # url, caption (binary), source, extras; row i gets key make_key(id, i)
+
+
+def _strip_compression(path: str) -> str:
+    return path[:-3] if path.endswith(".gz") else path
+
+
+def detect_format(path: str) -> str:
+    name = _strip_compression(path.lower())
+    if name.endswith(".tar"):
+        return "webdataset"
+    for fmt in TABLE_FORMATS:
+        if name.endswith("." + fmt):
+            return fmt
+    raise ConfigError(f"cannot tell the format of input {path!r}: set input.format")
+
+
+def _expand_paths(cfg: InputConfig) -> list[tuple[fsspec.AbstractFileSystem, str]]:
+    """Every input file (globs and folders expanded), sorted so shards are stable."""
+    specs = cfg.path if isinstance(cfg.path, list) else [cfg.path]
+    found: list[tuple[fsspec.AbstractFileSystem, str]] = []
+    for spec in specs:
+        fs, root = fsspec.core.url_to_fs(spec, **cfg.storage_options)
+        matches = sorted(fs.glob(root)) if any(c in root for c in "*?[") else [root]
+        if not matches or not all(fs.exists(m) for m in matches):
+            raise ConfigError(f"input.path {spec!r} does not exist or cannot be read")
+        found += [(fs, m) for m in matches]
+    return found
+
+
+def _read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
+    try:
+        with fs.open(path, "rb", compression="infer") as f:
+            return f.read()
+    except OSError as err:
+        raise ConfigError(f"cannot read input {path!r}: {err}") from None
+
+
+def _read_table_file(fs: fsspec.AbstractFileSystem, path: str, fmt: str,
+                     cfg: InputConfig) -> pa.Table:
+    if fmt == "parquet":
+        with fs.open(path, "rb") as f:
+            return pq.read_table(f)
+    data = _read_bytes(fs, path)
+    if fmt == "txt":
+        lines = [line.strip() for line in data.decode("utf-8", "replace").splitlines()]
+        return pa.table({cfg.url_col: [line for line in lines if line]})
+    if fmt in ("csv", "tsv"):
+        # Captions are read as bytes so one row with invalid UTF-8 fails alone, later.
+        types = {cfg.caption_col: pa.binary()} if cfg.caption_col else {}
+        return pacsv.read_csv(
+            io.BytesIO(data),
+            parse_options=pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",",
+                                             newlines_in_values=True),
+            convert_options=pacsv.ConvertOptions(column_types=types, strings_can_be_null=False),
+        )
+    if fmt == "jsonl":
+        return pajson.read_json(io.BytesIO(data))
+    rows = json.loads(data)
+    if not isinstance(rows, list):
+        raise ConfigError(f"input {path!r}: a .json input must hold a list of objects")
+    return pa.Table.from_pylist(rows)
+
+
+def _as_binary(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    if pa.types.is_binary(column.type):
+        return column
+    if pa.types.is_large_binary(column.type):
+        return column.cast(pa.binary())
+    return column.cast(pa.string()).cast(pa.binary())
+
+
+def normalise_table(table: pa.Table, cfg: InputConfig, path: str) -> pa.Table:
+    """Check the named columns exist and bring the table to the common input shape."""
+    needed = [cfg.url_col, *([cfg.caption_col] if cfg.caption_col else []),
+              *cfg.save_additional_columns]
+    missing = [c for c in needed if c not in table.column_names]
+    if missing:
+        raise ConfigError(
+            f"input {path!r} has no column {', '.join(repr(m) for m in missing)} "
+            f"(columns: {', '.join(table.column_names)}); set input.url_col / "
+            "input.caption_col / input.save_additional_columns")
+    n = table.num_rows
+    caption = (_as_binary(table[cfg.caption_col]) if cfg.caption_col
+               else pa.nulls(n, pa.binary()))
+    columns = {
+        "url": table[cfg.url_col].cast(pa.string()),
+        "caption": caption,
+        "source": pa.nulls(n, pa.string()),
+    }
+    for extra in cfg.save_additional_columns:
+        columns[extra] = table[extra].cast(pa.string())
+    return pa.table(columns)
+
+
+def _folder_rows(fs: fsspec.AbstractFileSystem, root: str, cfg: InputConfig) -> pa.Table:
+    """Images in a folder tree; the caption is the sidecar ``NAME.txt`` (null if absent)."""
+    files = sorted(fs.find(root))
+    images = [f for f in files if f.lower().endswith(IMAGE_EXTENSIONS)]
+    sidecars = set(files)
+    urls, captions = [], []
+    for image in images:
+        sidecar = posixpath.splitext(image)[0] + ".txt"
+        captions.append(_read_bytes(fs, sidecar).strip() if sidecar in sidecars else None)
+        urls.append(fs.unstrip_protocol(image))
+    return pa.table({"url": pa.array(urls, pa.string()),
+                     "caption": pa.array(captions, pa.binary()),
+                     "source": pa.array(urls, pa.string())})
+
+
+def _tar_rows(fs: fsspec.AbstractFileSystem, path: str, cfg: InputConfig) -> pa.Table:
+    """Samples of an existing WebDataset tar: the image is read back from the tar later."""
+    members: dict[str, dict[str, tarfile.TarInfo]] = {}
+    with fs.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|*") as tar:
+        texts: dict[str, bytes] = {}
+        metas: dict[str, dict] = {}
+        for info in tar:
+            if not info.isfile() or "." not in posixpath.basename(info.name):
+                continue
+            stem, ext = _split_sample_name(info.name)
+            members.setdefault(stem, {})[ext] = info
+            if ext == "txt":
+                texts[stem] = tar.extractfile(info).read()
+            elif ext == "json":
+                metas[stem] = json.loads(tar.extractfile(info).read() or b"{}")
+    urls, captions, sources = [], [], []
+    location = fs.unstrip_protocol(path)
+    for stem, exts in members.items():
+        image_ext = next((e for e in exts if "." + e in IMAGE_EXTENSIONS), None)
+        if image_ext is None:
+            continue
+        urls.append(metas.get(stem, {}).get("url") or f"{location}#{stem}.{image_ext}")
+        captions.append(texts.get(stem))
+        sources.append(f"tar:{location}#{exts[image_ext].name}")
+    return pa.table({"url": pa.array(urls, pa.string()),
+                     "caption": pa.array(captions, pa.binary()),
+                     "source": pa.array(sources, pa.string())})
+
+
+def _split_sample_name(name: str) -> tuple[str, str]:
+    # WebDataset: the key is everything before the first dot of the basename.
+    folder, base = posixpath.split(name)
+    stem, ext = base.split(".", 1)
+    return posixpath.join(folder, stem), ext.lower()
+
+
+def read_input_table(cfg: InputConfig) -> pa.Table:
+    """All input rows as one table in a stable order; ConfigError on any unusable input."""
+    if cfg.path == BUNDLED_SAMPLE:
+        raise ConfigError("the bundled sample is served by the build; call bundled_input()")
+    tables = []
+    for fs, path in _expand_paths(cfg):
+        fmt = cfg.format
+        if fmt == "auto":
+            fmt = "folder" if fs.isdir(path) else detect_format(path)
+        if fmt == "folder":
+            tables.append(_folder_rows(fs, path, cfg))
+        elif fmt == "webdataset":
+            tables.append(_tar_rows(fs, path, cfg))
+        else:
+            try:
+                raw = _read_table_file(fs, path, fmt, cfg)
+            except (pa.ArrowInvalid, ValueError) as err:
+                raise ConfigError(f"cannot parse input {path!r} as {fmt}: {err}") from None
+            tables.append(normalise_table(raw, cfg, path))
+    if not tables:
+        raise ConfigError("input.path matched no files")
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def split_shards(table: pa.Table, shard_size: int) -> Iterator[InputShard]:
+    for shard_id, start in enumerate(range(0, table.num_rows, shard_size)):
+        yield InputShard(shard_id, table.slice(start, shard_size))

@@ -1,0 +1,98 @@
+"""Running stages on Ray: shard tasks with resume, live progress and a summary."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+from pairforge.config import PairforgeConfig
+from pairforge.pipeline.download import RAW_FOLDER, download_shard
+from pairforge.pipeline.inputs import (
+    BUNDLED_SAMPLE,
+    InputShard,
+    normalise_table,
+    read_input_table,
+    split_shards,
+)
+from pairforge.pipeline.progress import ProgressCounter, StageDisplay
+from pairforge.pipeline.ray_runtime import init_ray
+from pairforge.pipeline.sample_server import bundled_sample_table, serve_directory
+from pairforge.shards.raw import completed_shards, stats_name
+from pairforge.shards.storage import OutputDir
+
+
+@contextmanager
+def input_shards(cfg: PairforgeConfig) -> Iterator[list[InputShard]]:
+    """The input split into shards; the bundled sample is served while the block runs."""
+    if cfg.input.path != BUNDLED_SAMPLE:
+        yield list(split_shards(read_input_table(cfg.input), cfg.input.shard_size))
+        return
+    from pairforge.pipeline.sample_server import SAMPLE_DIR
+
+    with serve_directory(SAMPLE_DIR) as base_url:
+        table = normalise_table(bundled_sample_table(base_url), cfg.input, BUNDLED_SAMPLE)
+        yield list(split_shards(table, cfg.input.shard_size))
+
+
+def _download_task(shard: InputShard, cfg: PairforgeConfig, counter: Any) -> dict[str, Any]:
+    return download_shard(shard, cfg, progress=lambda c: counter.add.remote(dict(c)))
+
+
+def run_download(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, Any]:
+    """Stage 1 over every shard not yet complete; returns the funnel of all shards."""
+    import ray
+
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
+    out.makedirs(RAW_FOLDER)
+    out.remove_temporaries(RAW_FOLDER)
+    with input_shards(cfg) as shards:
+        done = completed_shards(out, RAW_FOLDER)
+        todo = [s for s in shards if s.shard_id not in done]
+        init_ray(cfg.ray)
+        counter = ray.remote(num_cpus=0)(ProgressCounter).remote()
+        task = ray.remote(num_cpus=1, max_retries=cfg.ray.max_task_retries)(_download_task)
+        limit = cfg.download.processes or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        skipped = len(shards) - len(todo)
+        rows_todo = sum(s.rows.num_rows for s in todo)
+        display = (StageDisplay("download", len(shards), rows_todo, skipped)
+                   if show_progress else None)
+
+        def tick(finished: int) -> None:
+            if display:
+                display.update(ray.get(counter.total.remote()), skipped + finished)
+
+        started = time.time()
+        with display or nullcontext():
+            _run_bounded(todo, lambda s: task.remote(s, cfg, counter), limit, tick)
+        ray.kill(counter)
+        seconds = time.time() - started
+    summary = summarise(out, RAW_FOLDER, [s.shard_id for s in shards])
+    return {**summary, "shards_skipped": skipped, "seconds": round(seconds, 2),
+            "rows_per_s": round(rows_todo / seconds, 1) if rows_todo else None}
+
+
+def _run_bounded(items: list, submit, limit: int, on_tick) -> None:
+    """Keep at most ``limit`` tasks in flight (bounded memory), ticking the display."""
+    import ray
+
+    queue, in_flight, finished = list(items), [], 0
+    while queue or in_flight:
+        while queue and len(in_flight) < limit:
+            in_flight.append(submit(queue.pop(0)))
+        ready, in_flight = ray.wait(in_flight, num_returns=len(in_flight), timeout=0.5,
+                                    fetch_local=False)
+        for ref in ready:
+            ray.get(ref)  # re-raises a task's error in the driver
+            finished += 1
+        on_tick(finished)
+
+
+def summarise(out: OutputDir, folder: str, shard_ids: list[int]) -> dict[str, Any]:
+    """The funnel over the given complete shards, read back from their stats files."""
+    counts: Counter = Counter()
+    for shard_id in shard_ids:
+        counts.update(out.read_json(folder, stats_name(shard_id))["status"])
+    return {"shards": len(shard_ids), "rows": sum(counts.values()), "status": dict(counts)}

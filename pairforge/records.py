@@ -1,0 +1,105 @@
+"""The record every stage carries (DESIGN.md section 3): status codes and Arrow schemas.
+
+Every input row ends in exactly one shard parquet with exactly one status, so the
+funnel (rows per status) always adds up to the input count.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import pyarrow as pa
+
+
+class Status(StrEnum):
+    """The closed set of reasons a row is in (``ok``) or left the pipeline."""
+
+    OK = "ok"
+    # stage 1: download
+    DOWNLOAD_ERROR = "download_error"  # connection refused/reset, DNS failure, bad response
+    HTTP_ERROR = "http_error"  # a 4xx/5xx status after retries
+    TIMEOUT = "timeout"  # connect or read exceeded download.timeout
+    TOO_LARGE = "too_large"  # body over max_bytes, or decoded pixels over max_pixels
+    NOT_AN_IMAGE = "not_an_image"  # body is not a format Pillow recognises (HTML, text, ...)
+    DECODE_ERROR = "decode_error"  # recognised image that fails to decode (truncated, corrupt)
+    OPTED_OUT = "opted_out"  # X-Robots-Tag noai/noimageai/...
+    BLOCKED_ADDRESS = "blocked_address"  # host resolves to a refused address, or refused scheme
+    TOO_MANY_REDIRECTS = "too_many_redirects"  # redirect loop or chain past max_redirects
+    INVALID_URL = "invalid_url"  # empty, unparsable, or a scheme that is not allowed
+    TOO_SMALL = "too_small"  # a side below min_image_size
+    BAD_ASPECT = "bad_aspect"  # aspect ratio over max_aspect_ratio
+    CAPTION_INVALID = "caption_invalid"  # empty caption or not valid UTF-8
+    # stage 2: dedup
+    DUPLICATE_EXACT = "duplicate_exact"
+    DUPLICATE_NEAR = "duplicate_near"
+    # stage 3: process
+    CAPTION_TOO_SHORT = "caption_too_short"
+    CAPTION_TOO_LONG = "caption_too_long"
+    CAPTION_LANGUAGE = "caption_language"
+    LOW_CLIP_SCORE = "low_clip_score"
+    UNSAFE = "unsafe"
+
+
+STATUS_HELP: dict[Status, str] = {
+    Status.OK: "kept",
+    Status.DOWNLOAD_ERROR: "connection failed or the server answered nonsense",
+    Status.HTTP_ERROR: "HTTP 4xx/5xx (after retries for 429/5xx)",
+    Status.TIMEOUT: "connect or read took longer than download.timeout",
+    Status.TOO_LARGE: "body over download.max_bytes or image over download.max_pixels",
+    Status.NOT_AN_IMAGE: "the body is not an image Pillow recognises",
+    Status.DECODE_ERROR: "an image that fails to decode (truncated or corrupt)",
+    Status.OPTED_OUT: "X-Robots-Tag opt-out (noai, noimageai, ...)",
+    Status.BLOCKED_ADDRESS: "host resolves to an address the guard refuses",
+    Status.TOO_MANY_REDIRECTS: "redirect loop or more than download.max_redirects hops",
+    Status.INVALID_URL: "empty/unparsable URL or a scheme that is not allowed",
+    Status.TOO_SMALL: "a side below download.min_image_size",
+    Status.BAD_ASPECT: "aspect ratio above download.max_aspect_ratio",
+    Status.CAPTION_INVALID: "caption empty or not valid UTF-8",
+    Status.DUPLICATE_EXACT: "identical decoded pixels to a kept sample",
+    Status.DUPLICATE_NEAR: "perceptual hash within dedup.max_distance of a kept sample",
+    Status.CAPTION_TOO_SHORT: "caption has fewer words/characters than the filter allows",
+    Status.CAPTION_TOO_LONG: "caption has more words/characters than the filter allows",
+    Status.CAPTION_LANGUAGE: "caption language not in the allowed set",
+    Status.LOW_CLIP_SCORE: "CLIP image-text similarity below the threshold",
+    Status.UNSAFE: "removed by a safety filter",
+}
+
+# Columns of a raw (stage 1) shard parquet, before any user columns kept from the input.
+RAW_COLUMNS: list[pa.Field] = [
+    pa.field("key", pa.string()),
+    pa.field("url", pa.string()),
+    pa.field("caption", pa.string()),
+    pa.field("status", pa.string()),
+    pa.field("error", pa.string()),
+    pa.field("http_status", pa.int32()),
+    pa.field("image_format", pa.string()),
+    pa.field("width", pa.int32()),
+    pa.field("height", pa.int32()),
+    pa.field("original_width", pa.int32()),
+    pa.field("original_height", pa.int32()),
+    pa.field("sha256", pa.string()),
+    pa.field("pixel_hash", pa.string()),
+    pa.field("phash", pa.uint64()),
+    pa.field("exif", pa.string()),
+]
+
+# Only these are read by the dedup stage; it never opens images.
+HASH_COLUMNS = ["key", "status", "sha256", "pixel_hash", "phash", "original_width",
+                "original_height"]
+
+
+def raw_schema(extra_columns: list[str] | None = None) -> pa.Schema:
+    """Schema of a raw shard parquet; user columns are kept as strings."""
+    fields = list(RAW_COLUMNS)
+    fields += [pa.field(name, pa.string()) for name in extra_columns or []]
+    return pa.schema(fields)
+
+
+def make_key(shard_id: int, index: int, index_digits: int = 4) -> str:
+    """``SSSSSIIII`` digits: shard id then the row's index in its shard, never a dot."""
+    return f"{shard_id:05d}{index:0{index_digits}d}"
+
+
+def index_digits(shard_size: int) -> int:
+    """Digits needed for the in-shard index (at least 4, as img2dataset does)."""
+    return max(4, len(str(max(shard_size - 1, 0))))

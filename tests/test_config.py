@@ -1,0 +1,50 @@
+"""Configuration: typed, strict, overridable, and wrong input stops the run up front."""
+
+from pathlib import Path
+
+import pytest
+
+from pairforge.config import ConfigError, load_config, parse_config
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_overrides(tmp_path):
+    cfg = load_config(write(tmp_path, "input: {path: x.csv}\n"),
+                      ["download.threads=7", "download.image.image_size=64",
+                       "download.allow_addresses=[127.0.0.1/32]"])
+    assert cfg.download.threads == 7
+    assert cfg.download.image.image_size == 64
+    assert cfg.download.allow_addresses == ["127.0.0.1/32"]
+    assert cfg.input.url_col == "url" and cfg.input.caption_col == "caption"
+
+
+def test_unknown_key_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'download.treads'"):
+        load_config(write(tmp_path, "input: {path: x}\ndownload: {treads: 3}\n"))
+
+
+def test_wrong_type_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="'download.timeout'"):
+        load_config(write(tmp_path, "input: {path: x}\ndownload: {timeout: soon}\n"))
+
+
+def test_bad_override_is_named():
+    with pytest.raises(ConfigError, match="unknown key 'input.nope'"):
+        parse_config({"input": {"path": "x"}}, ["input.nope=1"])
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_config({"input": {"path": "x"}}, ["input.path"])
+
+
+def test_invalid_network_rejected():
+    with pytest.raises(ConfigError, match="allow_addresses"):
+        parse_config({"input": {"path": "x"}, "download": {"allow_addresses": ["nope"]}})
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "absent.yaml")
