@@ -1,0 +1,369 @@
+"""Decode, check, resize and re-encode one downloaded image (img2dataset's resizer, on Pillow).
+
+``process_image`` runs on every downloaded body, from many threads at once; Pillow releases
+the GIL while it decodes, resizes and encodes, so the work here is kept to those calls plus
+the three hashes of DESIGN.md section 3, computed in the same pass.
+
+Order of work, cheapest rejection first:
+
+1. ``Image.open`` reads only the header: unrecognised bytes are ``not_an_image``; more
+   pixels than ``max_pixels`` are ``too_large`` before any pixel is decoded; a smaller side
+   under ``min_image_size`` is ``too_small``; long/short over ``max_aspect_ratio`` is
+   ``bad_aspect``.
+2. For a JPEG that will be shrunk at least 2x, ``Image.draft`` makes libjpeg decode at a
+   reduced DCT scale (1/2, 1/4, 1/8), never below the size the resize needs.
+3. Decode; truncated or corrupt data is ``decode_error`` (``LOAD_TRUNCATED_IMAGES`` is
+   never set: a half-grey image is not a training sample).
+4. EXIF orientation is applied, the image becomes RGB, alpha is composited onto white.
+5. ``pixel_hash`` and ``phash`` of that decoded image, then the resize, then re-encoding.
+
+Sizes are computed exactly as img2dataset (albumentations' ``smallest_max_size`` /
+``longest_max_size``, ``center_crop``, ``pad``), always from the true original size, so a
+drafted decode changes neither ``width``/``height`` nor ``original_width``/``original_height``.
+The original size is reported as displayed, i.e. after EXIF orientation.
+
+Hash semantics: ``sha256`` is of the input bytes (img2dataset compatible). ``pixel_hash`` is
+of the decoded RGB pixels before the resize -- with draft decoding, of the pixels at the
+decode scale. Identical bytes therefore still hash identically, and a lossless re-encode
+(e.g. JPEG to PNG) hashes identically whenever no draft happens for the JPEG (a target less
+than 2x smaller than the source, or resize_mode ``no``); a draft-decoded JPEG and its PNG
+twin get different pixel hashes. ``phash`` is of the same decoded image, box-reduced first
+when its smaller side is 512 px or more (see ``PHASH_SOURCE_SIDE``); like the decode scale,
+that moves it by a bit or two at most, far inside the near-duplicate distance.
+
+Differences from img2dataset worth knowing: EXIF orientation is applied (cv2's
+IMREAD_UNCHANGED ignores it); size and aspect checks happen before decoding, so a corrupt
+but too-small image is ``too_small``; ``border`` pads with black (img2dataset now pads with
+white); only common raster formats are opened (see ``OPEN_FORMATS``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import ExifTags, Image, ImageOps, JpegImagePlugin, UnidentifiedImageError
+
+from pairforge.config import ImageConfig
+from pairforge.filters.hashing import phash_u64, pixel_hash_hex, sha256_hex
+from pairforge.records import Status
+
+# Formats a web image can reasonably be. Others Pillow knows are refused as not_an_image:
+# EPS would run Ghostscript on untrusted input, and scientific formats (FITS, GRIB, ...)
+# are not photos.
+Image.init()
+OPEN_FORMATS: tuple[str, ...] = tuple(
+    f for f in ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "AVIF", "JPEG2000", "ICO", "PPM",
+                "TGA", "QOI", "PCX", "DIB")
+    if f in Image.OPEN)
+
+BORDER_COLOR = (0, 0, 0)
+BACKGROUND_COLOR = (255, 255, 255)  # alpha is composited onto white, as img2dataset does
+
+# Downscaling: bicubic with a box pre-reduction while the factor is over 2x (what
+# Image.thumbnail does). Measured here (CPU time, 1800x1350 -> 341x256): Lanczos 21.9 ms,
+# bicubic 15.0, Lanczos gap 2 9.2, bicubic gap 2 7.6; bicubic is ~27% cheaper than Lanczos
+# at every factor, and at 2400 -> 256 px stays 48 dB PSNR from plain Lanczos (invisible).
+DOWNSCALE_FILTER = Image.Resampling.BICUBIC
+DOWNSCALE_REDUCING_GAP = 2.0
+# Upscaling is img2dataset's default Lanczos: rarer (small originals) and cheap at that size.
+UPSCALE_FILTER = Image.Resampling.LANCZOS
+# phash only looks at a 32x32 Lanczos thumbnail; from a big image that filter dominates the
+# whole pass (15 ms at 1800x1350), so the image is first box-reduced to a smaller side of
+# at least this, as a draft decode would (a hash within 2 bits, 3x faster).
+PHASH_SOURCE_SIDE = 256
+
+_ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
+_SWAPS_AXES = frozenset({5, 6, 7, 8})  # EXIF orientations that rotate by 90 degrees
+
+# The few EXIF tags kept (IFD0, then the Exif sub-IFD): what made the photo, when, by whom.
+_EXIF_BASE_TAGS = (ExifTags.Base.Make, ExifTags.Base.Model, ExifTags.Base.Software,
+                   ExifTags.Base.DateTime, ExifTags.Base.Orientation, ExifTags.Base.Artist,
+                   ExifTags.Base.Copyright)
+_EXIF_IFD_TAGS = (ExifTags.Base.DateTimeOriginal,)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedImage:
+    data: bytes  # re-encoded image
+    format: str  # 'jpg' | 'webp' | 'png'
+    width: int  # after resize
+    height: int
+    original_width: int  # as displayed (after EXIF orientation), never the drafted size
+    original_height: int
+    sha256: str  # of the input bytes
+    pixel_hash: str  # of the decoded RGB pixels (at the decode scale)
+    phash: int  # unsigned 64-bit perceptual hash
+    exif: str | None  # JSON of a few EXIF tags
+
+
+@dataclass(frozen=True, slots=True)
+class ImageFailure:
+    status: Status
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What to do to an image of the original size (axes as stored or as displayed)."""
+
+    resize: tuple[int, int] | None  # keep-ratio size, or None to keep the size
+    downscale: bool
+    crop: bool  # center crop to a square of image_size
+    pad: bool  # pad to a square of image_size
+
+    def swapped(self) -> _Plan:
+        if self.resize is None:
+            return self
+        return _Plan((self.resize[1], self.resize[0]), self.downscale, self.crop, self.pad)
+
+
+class _Reject(Exception):
+    """Internal: carries an ImageFailure out of a helper."""
+
+    def __init__(self, status: Status, error: str):
+        super().__init__(error)
+        self.failure = ImageFailure(status, error)
+
+
+def process_image(body: bytes, cfg: ImageConfig, *, draft: bool = True
+                  ) -> ProcessedImage | ImageFailure:
+    """Decode, check, hash, resize and re-encode ``body``; never raises.
+
+    ``draft=False`` disables reduced-scale JPEG decoding (for benchmarks and comparisons).
+    """
+    try:
+        return _process(body, cfg, draft)
+    except _Reject as rejected:
+        return rejected.failure
+    except MemoryError:
+        return ImageFailure(Status.TOO_LARGE, "out of memory decoding the image")
+    except Exception as err:  # one bad image must never stop a shard
+        return ImageFailure(Status.DECODE_ERROR, f"{type(err).__name__}: {err}")
+
+
+def _process(body: bytes, cfg: ImageConfig, draft: bool) -> ProcessedImage:
+    image = _open(body)  # no context manager: closing would discard the decoded pixels
+    stored_w, stored_h = image.size
+    _check_size(stored_w, stored_h, cfg)
+    plan = _plan_resize(stored_w, stored_h, cfg)
+    is_jpeg = isinstance(image, JpegImagePlugin.JpegImageFile)
+    if is_jpeg and draft and plan.resize is not None:
+        _draft(image, plan.resize)  # plan.resize is in stored axes, as draft() wants
+    _load(image)
+    # Read after load: PNG's eXIf chunk may follow the pixel data.
+    swap = _orientation(image) in _SWAPS_AXES
+    exif = _exif_json(image)
+    ImageOps.exif_transpose(image, in_place=True)
+    rgb = _to_rgb(image)
+    if swap:
+        plan = plan.swapped()
+        stored_w, stored_h = stored_h, stored_w
+    pixel_hash = pixel_hash_hex(rgb)
+    phash = phash_u64(_phash_source(rgb))
+    out = _apply_plan(rgb, plan, cfg.image_size)
+    return ProcessedImage(
+        data=_encode(out, cfg), format=cfg.encode_format, width=out.width, height=out.height,
+        original_width=stored_w, original_height=stored_h, sha256=sha256_hex(body),
+        pixel_hash=pixel_hash, phash=phash, exif=exif)
+
+
+def _open(body: bytes) -> Image.Image:
+    try:
+        return Image.open(io.BytesIO(body), formats=OPEN_FORMATS)
+    except UnidentifiedImageError:
+        raise _Reject(Status.NOT_AN_IMAGE, "not a recognised image format") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        # The warning only arrives here as an exception when warnings are errors.
+        raise _Reject(Status.TOO_LARGE, str(err)) from None
+    except Exception as err:  # a recognised header that fails to parse
+        raise _Reject(Status.DECODE_ERROR, f"bad header: {type(err).__name__}: {err}") from None
+
+
+def _check_size(width: int, height: int, cfg: ImageConfig) -> None:
+    if width <= 0 or height <= 0:
+        raise _Reject(Status.DECODE_ERROR, f"image has no pixels ({width}x{height})")
+    if width * height > cfg.max_pixels:
+        raise _Reject(Status.TOO_LARGE,
+                      f"{width}x{height} is over max_pixels={cfg.max_pixels}")
+    if min(width, height) < cfg.min_image_size:
+        raise _Reject(Status.TOO_SMALL,
+                      f"{width}x{height} has a side under min_image_size={cfg.min_image_size}")
+    if max(width, height) / min(width, height) > cfg.max_aspect_ratio:
+        raise _Reject(Status.BAD_ASPECT,
+                      f"{width}x{height} is over max_aspect_ratio={cfg.max_aspect_ratio}")
+
+
+def _plan_resize(width: int, height: int, cfg: ImageConfig) -> _Plan:
+    """img2dataset's resize decision for an original of ``width`` x ``height``."""
+    size, mode = cfg.image_size, cfg.resize_mode
+    if mode == "no":
+        return _Plan(None, False, False, False)
+    # keep_ratio/center_crop fit the smaller side, keep_ratio_largest/border the larger one.
+    side = min(width, height) if mode in ("keep_ratio", "center_crop") else max(width, height)
+    downscale = side > size
+    if cfg.resize_only_if_bigger and not downscale:
+        return _Plan(None, False, False, False)  # img2dataset skips crop and pad too
+    scale = size / side
+    # albumentations rounds each side with Python's round() and skips an exact scale of 1.
+    target = (width, height) if scale == 1.0 else (
+        max(1, round(width * scale)), max(1, round(height * scale)))
+    return _Plan(target, downscale, mode == "center_crop", mode == "border")
+
+
+def _draft(image: JpegImagePlugin.JpegImageFile, target: tuple[int, int]) -> None:
+    # Only worth it from 2x: libjpeg's scales are 1/2, 1/4, 1/8, and draft() picks the
+    # largest reduction that still leaves each side >= the target, so quality is kept.
+    width, height = image.size
+    if width >= 2 * target[0] and height >= 2 * target[1]:
+        image.draft("RGB", target)
+
+
+def _load(image: Image.Image) -> None:
+    try:
+        image.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise _Reject(Status.TOO_LARGE, str(err)) from None
+    except MemoryError:
+        raise
+    except Exception as err:  # truncated, corrupt, unsupported variant
+        raise _Reject(Status.DECODE_ERROR, f"{type(err).__name__}: {err}") from None
+
+
+def _orientation(image: Image.Image) -> int:
+    try:
+        return int(image.getexif().get(ExifTags.Base.Orientation, 1))
+    except Exception:  # broken EXIF: show the pixels as stored
+        return 1
+
+
+def _exif_json(image: Image.Image) -> str | None:
+    """A few EXIF tags as JSON, or None; broken EXIF is ignored, never an error."""
+    try:
+        exif = image.getexif()
+        if not exif:
+            return None
+        tags = {t.name: exif[t] for t in _EXIF_BASE_TAGS if t in exif}
+        if ExifTags.IFD.Exif in exif:
+            sub = exif.get_ifd(ExifTags.IFD.Exif)
+            tags.update({t.name: sub[t] for t in _EXIF_IFD_TAGS if t in sub})
+        clean = {k: _exif_value(v) for k, v in tags.items()}
+        clean = {k: v for k, v in clean.items() if v not in (None, "")}
+        return json.dumps(clean, ensure_ascii=False, sort_keys=True) if clean else None
+    except Exception:
+        return None
+
+
+def _exif_value(value: object) -> str | int | float | None:
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    if isinstance(value, str):
+        return value.replace("\x00", "").strip()[:256]
+    if isinstance(value, int):
+        return value
+    try:
+        number = float(value)  # IFDRational and friends
+    except (TypeError, ValueError, ZeroDivisionError):
+        return str(value)[:256]
+    return number if math.isfinite(number) else None  # 0/0 rationals: not valid JSON
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """RGB pixels; transparency composited onto white; 16-bit/float scaled to 8 bits."""
+    mode = image.mode
+    if mode == "RGB":
+        return image
+    if mode in _ALPHA_MODES or "transparency" in image.info:
+        rgba = image if mode == "RGBA" else image.convert("RGBA")
+        background = Image.new("RGB", rgba.size, BACKGROUND_COLOR)
+        background.paste(rgba, mask=rgba)  # out = a*src + (1-a)*white
+        return background
+    if mode.startswith("I") or mode == "F":
+        image = _to_8bit(image)
+    return image.convert("RGB")
+
+
+def _to_8bit(image: Image.Image) -> Image.Image:
+    # Pillow's convert() clips 16-bit values at 255 (a white image); scale them instead.
+    pixels = np.asarray(image)
+    if image.mode == "F":
+        pixels = np.clip(pixels, 0, 255)
+    elif pixels.max(initial=0) > 255:
+        pixels = np.clip(pixels.astype(np.int64) >> 8, 0, 255)
+    return Image.fromarray(pixels.astype(np.uint8), "L")
+
+
+def _phash_source(image: Image.Image) -> Image.Image:
+    factor = min(image.size) // PHASH_SOURCE_SIDE
+    return image.reduce(factor) if factor >= 2 else image
+
+
+def _apply_plan(image: Image.Image, plan: _Plan, size: int) -> Image.Image:
+    if plan.resize is None:
+        return image
+    target = plan.resize
+    if plan.crop:
+        return _resize_crop(image, target, size, plan.downscale)
+    resized = _resize(image, target, plan.downscale)
+    return _pad(resized, size) if plan.pad else resized
+
+
+def _resize(image: Image.Image, target: tuple[int, int], downscale: bool,
+            box: tuple[float, float, float, float] | None = None) -> Image.Image:
+    if box is None and image.size == target:
+        return image
+    if downscale:
+        return image.resize(target, DOWNSCALE_FILTER, box=box,
+                            reducing_gap=DOWNSCALE_REDUCING_GAP)
+    return image.resize(target, UPSCALE_FILTER, box=box)
+
+
+def _resize_crop(image: Image.Image, target: tuple[int, int], size: int,
+                 downscale: bool) -> Image.Image:
+    """Resize to ``target`` then center-crop ``size`` square, resizing only the kept part.
+
+    Resizing a source box gives the same pixel centres and filter windows as resizing the
+    whole image and cropping afterwards (Pillow clamps the windows to the image, not the
+    box), without computing the columns or rows the crop throws away.
+    """
+    crop_w, crop_h = min(size, target[0]), min(size, target[1])
+    left, top = (target[0] - crop_w) // 2, (target[1] - crop_h) // 2  # albumentations
+    if image.size == target:
+        return image.crop((left, top, left + crop_w, top + crop_h))
+    sx, sy = image.width / target[0], image.height / target[1]
+    box = (left * sx, top * sy, (left + crop_w) * sx, (top + crop_h) * sy)
+    return _resize(image, (crop_w, crop_h), downscale, box)
+
+
+def _pad(image: Image.Image, size: int) -> Image.Image:
+    if image.width >= size and image.height >= size:
+        return image
+    width, height = max(size, image.width), max(size, image.height)
+    canvas = Image.new("RGB", (width, height), BORDER_COLOR)
+    # albumentations: the top/left border gets the smaller half.
+    canvas.paste(image, ((width - image.width) // 2, (height - image.height) // 2))
+    return canvas
+
+
+def _encode(image: Image.Image, cfg: ImageConfig) -> bytes:
+    buffer = io.BytesIO()
+    if cfg.encode_format == "jpg":
+        # optimize (an extra Huffman pass) is off, as in cv2; 4:2:0 chroma like cv2's default
+        image.save(buffer, "JPEG", quality=cfg.encode_quality, optimize=False)
+    elif cfg.encode_format == "webp":
+        image.save(buffer, "WEBP", quality=cfg.encode_quality)
+    else:
+        image.save(buffer, "PNG", compress_level=_png_compress_level(cfg.encode_quality))
+    return buffer.getvalue()
+
+
+def _png_compress_level(quality: int) -> int:
+    """PNG is lossless, so quality cannot mean quality.
+
+    0-9 is taken as img2dataset does (the zlib level); anything above is our 0-100 quality
+    scale, where it has no meaning, so zlib's balanced default level 6 is used.
+    """
+    return quality if quality <= 9 else 6
