@@ -4,8 +4,8 @@
 
 The input is the real alt-text of ../shared/data/alttext-10k.parquet with each URL
 rewritten to one of the COCO sample photos served over loopback HTTP. img2dataset runs
-from its own virtual environment (it pins an older webdataset); it is made on first use:
-    python -m venv bench/.venv-img2dataset && bench/.venv-img2dataset/bin/pip install img2dataset==1.47.0
+from its own virtual environment (it pins an older webdataset), made on first use in
+bench/.venv-img2dataset.
 pairforge computes sha256, the pixel hash and the perceptual hash; img2dataset sha256 only.
 """
 
@@ -25,7 +25,15 @@ import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
-I2D_PYTHON = ROOT / "bench" / ".venv-img2dataset" / "bin" / "python"
+I2D_VENV = ROOT / "bench" / ".venv-img2dataset"
+I2D_PYTHON = I2D_VENV / "bin" / "python"
+I2D_VERSION = "img2dataset==1.47.0"
+
+
+def ensure_img2dataset() -> None:
+    if not I2D_PYTHON.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(I2D_VENV)], check=True)
+        subprocess.run([str(I2D_PYTHON), "-m", "pip", "install", "-q", I2D_VERSION], check=True)
 
 
 def _serve(root: str, port_queue: mp.Queue) -> None:
@@ -39,8 +47,9 @@ def _serve(root: str, port_queue: mp.Queue) -> None:
 
 def start_server(root: Path) -> tuple[mp.Process, str]:
     """The image host runs in its own process so neither tool's driver shares its GIL."""
-    queue: mp.Queue = mp.Queue()
-    proc = mp.get_context("spawn").Process(target=_serve, args=(str(root), queue), daemon=True)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_serve, args=(str(root), queue), daemon=True)
     proc.start()
     return proc, queue.get(timeout=30)
 
@@ -96,8 +105,7 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=1000)
     parser.add_argument("--image-size", type=int, default=256)
     args = parser.parse_args()
-    if not I2D_PYTHON.exists():
-        sys.exit(f"img2dataset venv missing: see the docstring of {__file__}")
+    ensure_img2dataset()
     server, base_url = start_server(DATA / "coco-sample" / "images")
     try:
         with tempfile.TemporaryDirectory() as tmp:

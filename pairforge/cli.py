@@ -54,14 +54,45 @@ def download(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) ->
     _print_stage("download", _run_guarded(run_download, cfg, not quiet))
 
 
+def _print_dedup(stats: dict[str, Any]) -> None:
+    if not stats.get("enabled", True):
+        console.print("[b]dedup[/b]: disabled")
+        return
+    fields = ["ok_rows", "duplicate_exact", "duplicate_near", "clusters", "kept",
+              "degenerate_hashes", "dense_phashes", "index_rows"]
+    shown = ", ".join(f"{f.replace('_', ' ')} {stats[f]:,}" for f in fields if f in stats)
+    console.print(f"[b]dedup[/b]: {shown}")
+
+
+@app.command()
+def dedup(config: ConfigArg, set_: SetOpt = None) -> None:
+    """Stage 2: exact and near duplicates from the raw shards' hashes."""
+    from pairforge.pipeline.runner import run_dedup_stage
+
+    cfg = _load(config, set_)
+    _print_dedup(_run_guarded(run_dedup_stage, cfg))
+
+
+@app.command()
+def process(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> None:
+    """Stage 3: filters and model steps over the raw shards into training shards."""
+    from pairforge.pipeline.process import run_process
+
+    cfg = _load(config, set_)
+    _print_stage("process", _run_guarded(run_process, cfg, not quiet))
+
+
 @app.command()
 def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> None:
     """Run every stage in order; complete shards of earlier runs are skipped."""
-    from pairforge.pipeline.runner import run_download
+    from pairforge.pipeline.process import run_process
+    from pairforge.pipeline.runner import run_dedup_stage, run_download
 
     cfg = _load(config, set_)
     _print_stage("download", _run_guarded(run_download, cfg, not quiet))
-    console.print(f"raw shards: [b]{cfg.output.path}/raw/[/b]")
+    _print_dedup(_run_guarded(run_dedup_stage, cfg))
+    _print_stage("process", _run_guarded(run_process, cfg, not quiet))
+    console.print(f"training shards: [b]{cfg.output.path}/shards/[/b]")
 
 
 def main() -> None:

@@ -104,12 +104,61 @@ class DedupConfig(Strict):
     write_index: bool = Field(True, description="write this build's hashes as an index")
 
 
+class ModelPoolConfig(Strict):
+    """How a model step runs: an actor pool, each actor loading the model once."""
+
+    pool_size: int = Field(1, gt=0, description="actors in the pool")
+    batch_size: int = Field(32, gt=0, description="images per model call")
+    num_cpus: float = Field(0.5, gt=0, description="CPUs each actor reserves from Ray "
+                            "(fractional, so several pools fit on a small machine)")
+    num_gpus: float = Field(0, ge=0, description="GPUs each actor reserves (0: CPU)")
+    torch_threads: int | None = Field(None, gt=0,
+                                      description="intra-op threads per actor (default: torch's)")
+    resources: dict[str, float] = Field(default_factory=dict,
+                                        description="custom Ray resources each actor needs")
+
+
+class BasicFilterConfig(Strict):
+    """DataComp's 'basic' filtering as defaults; each bound can be changed or dropped."""
+
+    enabled: bool = True
+    min_image_side: int = Field(200, ge=0, description="smaller side of the original (px)")
+    max_aspect_ratio: float = Field(3.0, gt=0, description="long/short side of the original")
+    min_caption_words: int = Field(2, ge=0)
+    min_caption_chars: int = Field(5, ge=0)
+    max_caption_words: int | None = Field(None, gt=0)
+    max_caption_chars: int | None = Field(None, gt=0)
+    languages: list[str] = Field(
+        default_factory=list,
+        description="keep captions detected as these ISO 639-1 codes (e.g. [en]); [] = off")
+
+
+class ClipConfig(ModelPoolConfig):
+    enabled: bool = False
+    model: str = Field("ViT-B-32", description="open_clip model name")
+    pretrained: str | None = Field(
+        "laion2b_s34b_b79k", description="open_clip pretrained tag or a local checkpoint path")
+    model_config_path: str | None = Field(
+        None, description="a JSON model config for architectures open_clip does not ship")
+    mode: Literal["threshold", "top_fraction", "score_only"] = "threshold"
+    threshold: float = Field(0.28, description="keep clip_score >= this (LAION: 0.28, B/32)")
+    top_fraction: float = Field(0.3, gt=0, le=1,
+                                description="keep this fraction of the highest scores")
+    save_embeddings: bool = Field(False, description="write image embeddings per shard")
+
+
+class ProcessConfig(Strict):
+    basic: BasicFilterConfig = Field(default_factory=BasicFilterConfig)
+    clip: ClipConfig = Field(default_factory=ClipConfig)
+
+
 class PairforgeConfig(Strict):
     input: InputConfig
     output: OutputConfig = Field(default_factory=OutputConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     download: DownloadConfig = Field(default_factory=DownloadConfig)
     dedup: DedupConfig = Field(default_factory=DedupConfig)
+    process: ProcessConfig = Field(default_factory=ProcessConfig)
 
 
 class ConfigError(ValueError):

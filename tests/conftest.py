@@ -29,3 +29,27 @@ def refused_server(image_dir: Path) -> Iterator[LoopbackServer]:
     """A server on 127.0.0.2, outside the allow-list: it must never receive a request."""
     with LoopbackServer(image_dir, "127.0.0.2") as server:
         yield server
+
+
+COCO_IMAGES = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-sample" / "images"
+COCO_CAPTIONS = COCO_IMAGES.parent / "captions.csv"
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[None]:
+    """One local Ray instance for the in-process stage tests (starting Ray costs seconds)."""
+    import ray
+
+    from pairforge.config import RayConfig
+    from pairforge.pipeline.ray_runtime import init_ray
+
+    init_ray(RayConfig(num_cpus=2, object_store_memory=300 * 1024**2))
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def coco_server() -> Iterator[LoopbackServer]:
+    """The COCO sample photos on 127.0.0.1, for the whole session."""
+    with LoopbackServer(COCO_IMAGES, "127.0.0.1") as server:
+        yield server

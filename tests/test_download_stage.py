@@ -19,18 +19,6 @@ COCO = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-sample" /
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from pairforge.config import RayConfig
-    from pairforge.pipeline.ray_runtime import init_ray
-
-    init_ray(RayConfig(num_cpus=2, object_store_memory=200 * 1024**2))
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def servers():
     with LoopbackServer(COCO) as good, LoopbackServer(COCO, host="127.0.0.2") as refused:
         yield good, refused

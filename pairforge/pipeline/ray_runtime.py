@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from pairforge.config import RayConfig
 
@@ -14,7 +17,27 @@ _QUIET_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_DISABLE_IMPORT_WARNING": "1",
     "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+    # The driver's C++ core worker logs to stderr; failures still reach us as exceptions.
+    "RAY_BACKEND_LOG_LEVEL": "fatal",
+    # Ray Data's execution summaries and hints; its errors are still raised.
+    "RAY_DATA_LOG_LEVEL": "ERROR",
 }
+_QUIET_LOGGERS = ("ray", "ray.data", "ray.serve", "ray.train")
+
+
+@contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """Ray's C++ core prints a log-level banner straight to fd 2 while it starts; a failed
+    start still raises, with its message, in Python."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def init_ray(cfg: RayConfig) -> None:
@@ -28,11 +51,14 @@ def init_ray(cfg: RayConfig) -> None:
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     common = dict(logging_level=logging.ERROR, log_to_driver=False,
                   configure_logging=True)
-    if address:
-        ray.init(address=address, **common)
-    else:
-        ray.init(num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory,
-                 include_dashboard=False, **common)
+    with _stderr_silenced():
+        if address:
+            ray.init(address=address, **common)
+        else:
+            ray.init(num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory,
+                     include_dashboard=False, **common)
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     from ray.data import DataContext
 
     ctx = DataContext.get_current()

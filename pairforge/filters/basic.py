@@ -1,0 +1,63 @@
+"""Basic filters (DataComp's 'basic' set): image size and shape, caption length, language.
+
+Language identification uses py3langid, whose model ships inside the PyPI package, so it
+works offline.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pyarrow as pa
+
+from pairforge.config import BasicFilterConfig
+from pairforge.pipeline.steps import Step, StepResult
+from pairforge.records import Status
+
+
+@functools.cache
+def _language_identifier():  # noqa: ANN202 - py3langid's own type
+    from py3langid.langid import MODEL_FILE, LanguageIdentifier
+
+    return LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+
+
+def detect_language(text: str) -> str:
+    return _language_identifier().classify(text)[0]
+
+
+def check_row(cfg: BasicFilterConfig, caption: str | None, width: int,
+              height: int) -> tuple[Status, str] | None:
+    """The first failed rule as (status, detail), or None when the row passes."""
+    short, long = sorted((width, height))
+    if short < cfg.min_image_side:
+        return Status.TOO_SMALL, f"smaller side {short} px < {cfg.min_image_side}"
+    if short and long / short > cfg.max_aspect_ratio:
+        return Status.BAD_ASPECT, f"aspect ratio {long / short:.2f} > {cfg.max_aspect_ratio}"
+    if caption is None:  # image-only rows (no caption column) have nothing to check
+        return None
+    words, chars = len(caption.split()), len(caption)
+    if words < cfg.min_caption_words or chars < cfg.min_caption_chars:
+        return Status.CAPTION_TOO_SHORT, f"{words} words, {chars} characters"
+    if ((cfg.max_caption_words and words > cfg.max_caption_words)
+            or (cfg.max_caption_chars and chars > cfg.max_caption_chars)):
+        return Status.CAPTION_TOO_LONG, f"{words} words, {chars} characters"
+    if cfg.languages:
+        language = detect_language(caption)
+        if language not in cfg.languages:
+            return Status.CAPTION_LANGUAGE, f"detected language {language!r}"
+    return None
+
+
+class BasicFilterStep(Step):
+    name = "basic"
+    requires = ("caption", "original_width", "original_height")
+    provides: dict[str, pa.DataType] = {}
+
+    def process(self, rows: pa.Table) -> StepResult:
+        cfg = self.cfg.process.basic
+        failures = [check_row(cfg, c, w, h) for c, w, h in zip(
+            rows["caption"].to_pylist(), rows["original_width"].to_pylist(),
+            rows["original_height"].to_pylist(), strict=True)]
+        return StepResult(status=[f[0].value if f else None for f in failures],
+                          error=[f[1] if f else None for f in failures])

@@ -1,0 +1,696 @@
+"""Stage 2 algorithm: exact and near-duplicate decisions over hash metadata only.
+
+Three kinds of evidence link two samples into one cluster:
+
+* the same exact hash (``pixel_hash``: identical decoded pixels, so re-encodes and the
+  same file under another URL are caught; ``sha256`` only when the pixel hash is missing);
+* the same 64-bit perceptual hash (joined in linear time through one node per value);
+* perceptual hashes within ``max_distance`` bits, found without comparing all pairs.
+
+Near pairs come from the pigeonhole principle. Split the hash into ``m`` bands: two
+hashes at Hamming distance ``<= t`` differ in at most ``t`` bands, so they agree exactly
+on at least ``k = m - t`` bands. Sorting by every combination of ``k`` bands and pairing
+rows with equal keys therefore finds every pair within ``t`` (``m = t + 1``, ``k = 1`` is
+the textbook case; a larger ``m`` gives longer keys and far fewer false candidates at
+10^6 hashes, see :func:`plan_bands`). Each candidate is verified with a popcount, and a
+pair is only reported by the first combination it matches, so no pair is seen twice.
+
+A bucket that is too large to pair out (many distinct hashes sharing the key bits) is
+split again on its remaining bits with the same rule, so skewed data costs time in
+proportion to the pairs it really contains. Hashes with very few or very many set bits
+(blank, single-colour or pure-gradient images) carry no perceptual information and are
+kept out of the near-duplicate search entirely (see :func:`is_degenerate`); so are the
+hashes of a bucket packed too densely for the phash to tell its images apart
+(see :func:`_is_dense`). Those rows still take part in the exact join.
+
+Clusters are the connected components of all links; in each, the survivor is decided by
+:func:`survivor_order`, which depends on row contents only, never on input order or on
+how the work was split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import combinations
+from math import comb
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from scipy.sparse import coo_matrix
+from scipy.sparse.csgraph import connected_components
+
+from pairforge.records import Status
+
+HASH_BITS = 64
+
+# imagehash.phash sets a bit when a DCT coefficient is strictly above the median of the
+# 64, so a natural image has exactly 32 bits set (all 399 COCO sample photos do). Fewer
+# means most coefficients tie at the median: a flat, single-colour or gradient image
+# (all give 0x0 or 0x8000000000000000). Such hashes say nothing about the content.
+DEGENERATE_MIN_BITS = 16
+
+# Cost model of the band join, in units of "one candidate pair generated and verified"
+# (measured roughly with numpy on one core). It only decides how to split the work;
+# every plan finds exactly the same pairs.
+_ROW_COST = 3.0  # building a band key and sorting one row, for one band combination
+_PASS_COST = 5000.0  # fixed numpy overhead of one band-combination pass
+_MAX_COMBOS = 128
+
+# Key lengths up to this use a counting pass (an int64 count per possible key: 32 MiB).
+_COUNTING_MAX_BITS = 22
+
+# A bucket of at least this many distinct hashes whose members expect at least
+# DENSE_NEIGHBOURS neighbours each is "dense" (see _is_dense).
+DENSE_MIN_ROWS = 1024
+DENSE_NEIGHBOURS = 32
+
+_NONE = np.zeros(0, dtype=np.int64)
+_NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
+
+# A row kept out of the exact join (no pixel hash and no sha256).
+_NO_CODE = -1
+
+ROWS_SCHEMA = pa.schema([
+    pa.field("key", pa.string()),
+    pa.field("exact", pa.string()),
+    pa.field("phash", pa.uint64()),
+    pa.field("original_width", pa.int32()),
+    pa.field("original_height", pa.int32()),
+])
+
+INDEX_SCHEMA = pa.schema([
+    pa.field("key", pa.string()),
+    pa.field("source", pa.string()),
+    pa.field("pixel_hash", pa.string()),
+    pa.field("phash", pa.uint64()),
+    pa.field("original_width", pa.int32()),
+    pa.field("original_height", pa.int32()),
+])
+
+DUPLICATES_SCHEMA = pa.schema([
+    pa.field("key", pa.string()),
+    pa.field("kind", pa.string()),
+    pa.field("cluster_id", pa.string()),
+    pa.field("kept_key", pa.string()),
+    pa.field("kept_source", pa.string()),  # null: kept in this build; else the index's source
+    pa.field("distance", pa.int32()),  # phash bits to the kept sample (null without phash)
+])
+
+
+# --------------------------------------------------------------------------- near pairs
+
+
+@dataclass(frozen=True)
+class BandPlan:
+    """How to split ``nbits``-bit values into bands for distance ``max_distance``."""
+
+    nbits: int
+    max_distance: int
+    bands: tuple[tuple[int, int], ...]  # (shift, width), contiguous, together all nbits
+    k: int  # bands any pair within max_distance shares exactly: len(bands) - max_distance
+
+    @property
+    def combos(self) -> list[tuple[int, ...]]:
+        return list(combinations(range(len(self.bands)), self.k))
+
+    def describe(self) -> str:
+        widths = "/".join(str(w) for _, w in self.bands)
+        return f"{len(self.bands)} bands ({widths} bits), {len(self.combos)} keys of {self.k}"
+
+
+def _split_bits(nbits: int, m: int) -> tuple[tuple[int, int], ...]:
+    base, extra = divmod(nbits, m)
+    widths = [base + (1 if i < extra else 0) for i in range(m)]
+    shifts = np.concatenate([[0], np.cumsum(widths)[:-1]])
+    return tuple((int(s), w) for s, w in zip(shifts, widths, strict=True))
+
+
+def _plan_cost(n: int, nbits: int, t: int, m: int) -> float:
+    k = m - t
+    bands = _split_bits(nbits, m)
+    key_bits = sum(sorted(w for _, w in bands)[:k])  # the worst (shortest) key
+    expected_pairs = n * n / 2.0 / 2.0**key_bits  # if values were spread uniformly
+    return comb(m, k) * (_PASS_COST + n * _ROW_COST + expected_pairs)
+
+
+def plan_bands(n: int, nbits: int, max_distance: int) -> BandPlan | None:
+    """The cheapest pigeonhole split for ``n`` values, or None when all pairs is cheaper."""
+    best_cost, best_m = n * (n - 1) / 2.0, None
+    for m in range(max_distance + 1, nbits + 1):
+        if comb(m, m - max_distance) > _MAX_COMBOS:
+            break
+        cost = _plan_cost(n, nbits, max_distance, m)
+        if cost < best_cost:
+            best_cost, best_m = cost, m
+    if best_m is None:
+        return None
+    return BandPlan(nbits, max_distance, _split_bits(nbits, best_m), best_m - max_distance)
+
+
+def _gather_bits(values: np.ndarray, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Concatenate the bit ranges ``(shift, width)`` of each value into one integer."""
+    out = np.zeros(len(values), dtype=np.uint64)
+    for shift, width in ranges:
+        part = (values >> np.uint64(shift)) & np.uint64((1 << width) - 1)
+        out = (out << np.uint64(width)) | part
+    return out
+
+
+def _radix_argsort(key: np.ndarray, key_bits: int) -> np.ndarray:
+    """Stable argsort of keys below 2**key_bits: numpy's radix sort, 16 bits a pass."""
+    if key_bits > 48:
+        return np.argsort(key, kind="stable")
+    order = np.arange(len(key))
+    for shift in range(0, key_bits, 16):
+        digit = ((key[order] >> np.uint64(shift)) & np.uint64(0xFFFF)).astype(np.uint16)
+        order = order[np.argsort(digit, kind="stable")]
+    return order
+
+
+def _shared_key_order(key: np.ndarray, key_bits: int) -> np.ndarray:
+    """Positions whose key occurs more than once, sorted by key.
+
+    Most keys are unique at the key lengths the planner picks, so a counting pass first
+    drops them and only the rest is sorted.
+    """
+    if key_bits <= _COUNTING_MAX_BITS:
+        as_index = key.astype(np.intp)
+        counts = np.bincount(as_index, minlength=1 << key_bits)
+        candidates = np.flatnonzero(counts[as_index] >= 2)
+        return candidates[_radix_argsort(key[candidates], key_bits)]
+    return _radix_argsort(key, key_bits)
+
+
+def _runs(sorted_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start and length of each run of equal values in a sorted array."""
+    if len(sorted_keys) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    change = np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1
+    starts = np.concatenate([[0], change]).astype(np.int64)
+    lengths = np.diff(np.concatenate([starts, [len(sorted_keys)]]))
+    return starts, lengths
+
+
+def _pairs_within_runs(n: int, starts: np.ndarray, lengths: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """All position pairs (p < q) inside the given runs of a sorted array of length n."""
+    remaining = np.zeros(n, dtype=np.int64)  # later positions in the same run
+    if len(starts):
+        positions = _expand_runs(starts, lengths)
+        remaining[positions] = np.repeat(starts + lengths, lengths) - positions - 1
+    active = np.flatnonzero(remaining >= 1)
+    left, right = [], []
+    offset = 1
+    # Offset d pairs each position with the one d further on; the active set shrinks to
+    # the positions that still have a partner, so the work equals the number of pairs.
+    while len(active):
+        left.append(active)
+        right.append(active + offset)
+        offset += 1
+        active = active[remaining[active] >= offset]
+    if not left:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(left), np.concatenate(right)
+
+
+def _expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Positions covered by the runs, vectorised: start of each run plus 0..length-1."""
+    total = int(lengths.sum())
+    run_of = np.repeat(np.arange(len(starts)), lengths)
+    first = np.cumsum(lengths) - lengths
+    return starts[run_of] + (np.arange(total) - first[run_of])
+
+
+def _verify(full: np.ndarray, a: np.ndarray, b: np.ndarray, t: int
+            ) -> tuple[np.ndarray, np.ndarray]:
+    keep = np.bitwise_count(full[a] ^ full[b]) <= t
+    return a[keep], b[keep]
+
+
+def _first_combo_only(values: np.ndarray, plan: BandPlan, combo: tuple[int, ...],
+                      a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Keep pairs for which ``combo`` is the first combination of bands they share.
+
+    A pair within distance shares some set E of bands; it is reported only by the
+    combination made of the k lowest bands of E, so every pair is reported exactly once.
+    """
+    keep = np.ones(len(a), dtype=bool)
+    for band in range(combo[-1]):
+        if band in combo:
+            continue
+        shift, width = plan.bands[band]
+        mask = np.uint64((1 << width) - 1)
+        diff = ((values[a] ^ values[b]) >> np.uint64(shift)) & mask
+        keep &= diff != 0
+    return a[keep], b[keep]
+
+
+def _varying_ranges(values: np.ndarray, nbits: int) -> list[tuple[int, int]]:
+    """Contiguous bit ranges, high to low, in which not all values agree."""
+    varying = int(np.bitwise_or.reduce(values) ^ np.bitwise_and.reduce(values))
+    ranges: list[tuple[int, int]] = []
+    bit = nbits - 1
+    while bit >= 0:
+        if varying >> bit & 1:
+            top = bit
+            while bit >= 0 and varying >> bit & 1:
+                bit -= 1
+            ranges.append((bit + 1, top - bit))
+        else:
+            bit -= 1
+    return ranges
+
+
+@lru_cache(maxsize=1024)
+def _split_threshold(nbits: int, max_distance: int) -> int:
+    """Smallest bucket for which another band join beats pairing it all out."""
+    low, high = 2, 1 << 40
+    if plan_bands(high, nbits, max_distance) is None:
+        return high
+    while low < high:
+        mid = (low + high) // 2
+        if plan_bands(mid, nbits, max_distance) is None:
+            low = mid + 1
+        else:
+            high = mid
+    return low
+
+
+@dataclass
+class NearPairs:
+    """Pairs of hash indices within distance, and hashes found in over-dense buckets."""
+
+    pairs: np.ndarray  # (P, 2) int64, i < j, sorted
+    dense: np.ndarray  # sorted indices of hashes treated as degenerate (see _is_dense)
+
+
+def _is_dense(length: int, varying_bits: int, max_distance: int) -> bool:
+    """A bucket of distinct hashes packed so tightly that the phash cannot tell them apart.
+
+    Its expected number of neighbours per hash (uniform within the bits that vary) is
+    large: pairing it out would be quadratic, and linking it would chain thousands of
+    distinct images into one cluster. Such hashes are treated like blank-image hashes.
+    """
+    if length < DENSE_MIN_ROWS:
+        return False
+    ball = sum(comb(varying_bits, d) for d in range(max_distance + 1))
+    return length * ball / 2.0**varying_bits >= DENSE_NEIGHBOURS
+
+
+_Found = tuple[np.ndarray, np.ndarray, np.ndarray]  # left, right, dense positions
+
+
+def _split_giant_run(values: np.ndarray, full: np.ndarray, plan: BandPlan,
+                     combo: tuple[int, ...], members: np.ndarray) -> _Found | None:
+    """Pairs inside one oversized bucket: band-join again on the bits not in the key.
+
+    Bits on which the whole bucket agrees are dropped first: they cannot contribute to a
+    distance, and keeping them would recreate the same giant bucket one level down.
+    Returns None when pairing the bucket out directly is cheaper.
+    """
+    rest = [plan.bands[i] for i in range(len(plan.bands)) if i not in combo]
+    rest_values = _gather_bits(values[members], rest)
+    varying = _varying_ranges(rest_values, sum(w for _, w in rest))
+    varying_bits = sum(w for _, w in varying)
+    if _is_dense(len(members), varying_bits, plan.max_distance):
+        return _NONE, _NONE, members
+    sub = plan_bands(len(members), varying_bits, plan.max_distance)
+    if sub is None:
+        return None
+    rest_values = _gather_bits(rest_values, varying)
+    found = [_combo_pairs_local(rest_values, full[members], sub, c) for c in sub.combos]
+    return tuple(members[np.concatenate(part)] for part in zip(*found, strict=True))
+
+
+def _combo_pairs_local(values: np.ndarray, full: np.ndarray, plan: BandPlan,
+                       combo: tuple[int, ...]) -> _Found:
+    """Verified pairs (positions into values) first found by ``combo``, and dense ones."""
+    key_bits = sum(plan.bands[i][1] for i in combo)
+    key = _gather_bits(values, [plan.bands[i] for i in combo])
+    order = _shared_key_order(key, key_bits)
+    starts, lengths = _runs(key[order])
+    multi = lengths >= 2
+    starts, lengths = starts[multi], lengths[multi]
+    threshold = _split_threshold(plan.nbits - key_bits, plan.max_distance)
+    found: list[_Found] = []
+    small = np.ones(len(starts), dtype=bool)
+    for r in np.flatnonzero(lengths >= threshold):
+        members = order[starts[r]:starts[r] + lengths[r]]
+        split = _split_giant_run(values, full, plan, combo, members)
+        if split is not None:
+            small[r] = False
+            found.append(split)
+    p, q = _pairs_within_runs(len(order), starts[small], lengths[small])
+    a, b = _verify(full, order[p], order[q], plan.max_distance)
+    found.append((a, b, _NONE))
+    a, b, dense = (np.concatenate(part) for part in zip(*found, strict=True))
+    a, b = _first_combo_only(values, plan, combo, a, b)
+    return a, b, dense
+
+
+def combo_pairs(hashes: np.ndarray, plan: BandPlan, combo: tuple[int, ...]) -> NearPairs:
+    """Pairs of distinct hashes within distance first found by one band combination.
+
+    One unit of distributable work: combos are independent and their pairs disjoint.
+    """
+    a, b, dense = _combo_pairs_local(hashes, hashes, plan, combo)
+    pairs = np.stack([np.minimum(a, b), np.maximum(a, b)], axis=1).astype(np.int64)
+    return NearPairs(pairs, np.unique(dense))
+
+
+CombosMapper = Callable[[np.ndarray, BandPlan], list[NearPairs]]
+
+
+def local_mapper(workers: int = 1) -> CombosMapper:
+    """Run the band combinations in this process (threads: numpy sorts release the GIL)."""
+
+    def run(hashes: np.ndarray, plan: BandPlan) -> list[NearPairs]:
+        if workers <= 1:
+            return [combo_pairs(hashes, plan, c) for c in plan.combos]
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(lambda c: combo_pairs(hashes, plan, c), plan.combos))
+
+    return run
+
+
+def _brute_pairs(hashes: np.ndarray, t: int) -> np.ndarray:
+    i, j = np.triu_indices(len(hashes), 1)
+    keep = np.bitwise_count(hashes[i] ^ hashes[j]) <= t
+    return np.stack([i[keep], j[keep]], axis=1).astype(np.int64)
+
+
+def _sorted_pairs(pairs: np.ndarray) -> np.ndarray:
+    order = np.lexsort((pairs[:, 1], pairs[:, 0]))
+    return pairs[order]
+
+
+def _merge(parts: list[NearPairs]) -> NearPairs:
+    """Union of combo results; pairs touching a dense hash go, whichever combo found them."""
+    dense = np.unique(np.concatenate([_NONE, *(p.dense for p in parts)]))
+    pairs = np.concatenate([_NO_PAIRS, *(p.pairs for p in parts)])
+    if len(dense):
+        pairs = pairs[~np.isin(pairs, dense).any(axis=1)]
+    return NearPairs(_sorted_pairs(pairs), dense)
+
+
+def near_pairs(hashes: np.ndarray, max_distance: int,
+               mapper: CombosMapper | None = None) -> NearPairs:
+    """Every pair (i < j) of the distinct ``hashes`` within ``max_distance`` bits, once.
+
+    ``hashes`` must hold distinct uint64 values: identical values would form buckets
+    that no band split can shrink, so callers join those separately (in linear time).
+    """
+    hashes = np.ascontiguousarray(hashes, dtype=np.uint64)
+    if max_distance <= 0 or len(hashes) < 2:
+        return NearPairs(_NO_PAIRS, _NONE)
+    ordered = np.sort(hashes)
+    if (ordered[1:] == ordered[:-1]).any():
+        raise ValueError("near_pairs needs distinct hash values")
+    plan = plan_bands(len(hashes), HASH_BITS, max_distance)
+    if plan is None:
+        return NearPairs(_sorted_pairs(_brute_pairs(hashes, max_distance)), _NONE)
+    return _merge((mapper or local_mapper())(hashes, plan))
+
+
+def all_pairs_count(hashes: np.ndarray, max_distance: int, chunk: int = 2048) -> int:
+    """Reference all-pairs comparison (quadratic): the number of pairs within distance."""
+    hashes = np.ascontiguousarray(hashes, dtype=np.uint64)
+    found = 0
+    for start in range(0, len(hashes), chunk):
+        block = hashes[start:start + chunk]
+        dist = np.bitwise_count(block[:, None] ^ hashes[None, start:])
+        upper = np.triu(np.ones_like(dist, dtype=bool), 1)
+        found += int(((dist <= max_distance) & upper).sum())
+    return found
+
+
+# ------------------------------------------------------------------------------ clusters
+
+
+def is_degenerate(phash: np.ndarray) -> np.ndarray:
+    """True for hashes of images without perceptual structure (see DEGENERATE_MIN_BITS)."""
+    bits = np.bitwise_count(np.asarray(phash, dtype=np.uint64))
+    return (bits < DEGENERATE_MIN_BITS) | (bits > HASH_BITS - DEGENERATE_MIN_BITS)
+
+
+def prepare_rows(raw: pa.Table) -> pa.Table:
+    """Hash columns of a raw shard table -> ok rows in ROWS_SCHEMA.
+
+    ``exact`` is the pixel hash; a row without one falls back to its sha256 (prefixed so
+    the two can never be equal by accident).
+    """
+    if "status" in raw.column_names:
+        raw = raw.filter(pc.equal(raw["status"], Status.OK.value))
+    exact = raw["pixel_hash"].cast(pa.string())
+    if "sha256" in raw.column_names:
+        sha = raw["sha256"].cast(pa.string())
+        exact = pc.coalesce(exact, pc.binary_join_element_wise("sha256:", sha, ""))
+    return pa.table({
+        "key": raw["key"].cast(pa.string()),
+        "exact": exact.cast(pa.string()),
+        "phash": raw["phash"].cast(pa.uint64()),
+        "original_width": raw["original_width"].cast(pa.int32()),
+        "original_height": raw["original_height"].cast(pa.int32()),
+    }, schema=ROWS_SCHEMA)
+
+
+def index_rows(index: pa.Table) -> pa.Table:
+    """An index table as ROWS_SCHEMA rows plus their source column."""
+    return pa.table({
+        "key": index["key"].cast(pa.string()),
+        "exact": index["pixel_hash"].cast(pa.string()),
+        "phash": index["phash"].cast(pa.uint64()),
+        "original_width": index["original_width"].cast(pa.int32()),
+        "original_height": index["original_height"].cast(pa.int32()),
+        "source": index["source"].cast(pa.string()),
+    })
+
+
+def _u64(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Values (nulls as 0) and validity of a uint64 column, without a float detour."""
+    valid = pc.is_valid(column).to_numpy(zero_copy_only=False)
+    values = pc.fill_null(column, 0).to_numpy(zero_copy_only=False).astype(np.uint64)
+    return values, valid
+
+
+def survivor_order(keys: pa.Array, sources: pa.Array, from_index: np.ndarray,
+                   area: np.ndarray) -> np.ndarray:
+    """Rank of every row as the survivor of its cluster (0 = kept first).
+
+    Rows of earlier builds (the index) always win, since those builds already shipped
+    them; then the largest original resolution (the most information); then the lowest
+    key, then the lowest source, so the choice never depends on input order or workers.
+    """
+    table = pa.table({"new": (~from_index).astype(np.int8), "area": area,
+                      "key": keys, "source": pc.fill_null(sources, "")})
+    order = pc.sort_indices(table, sort_keys=[("new", "ascending"), ("area", "descending"),
+                                              ("key", "ascending"), ("source", "ascending")]
+                            ).to_numpy()
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return rank
+
+
+@dataclass
+class _Graph:
+    """Rows, one node per exact hash, one node per distinct usable phash, and links."""
+
+    rows: int
+    exact_codes: np.ndarray  # per row, _NO_CODE when the row has no exact hash
+    phash_values: np.ndarray  # distinct usable phash values
+    phash_node: np.ndarray  # per row, index into phash_values or -1
+    near: np.ndarray  # (P, 2) pairs of indices into phash_values
+
+    def components(self) -> np.ndarray:
+        n_exact = int(self.exact_codes.max(initial=-1)) + 1
+        exact_base, phash_base = self.rows, self.rows + n_exact
+        total = phash_base + len(self.phash_values)
+        row_ids = np.arange(self.rows)
+        has_exact, has_phash = self.exact_codes >= 0, self.phash_node >= 0
+        src = np.concatenate([row_ids[has_exact], row_ids[has_phash],
+                              phash_base + self.near[:, 0]])
+        dst = np.concatenate([exact_base + self.exact_codes[has_exact],
+                              phash_base + self.phash_node[has_phash],
+                              phash_base + self.near[:, 1]])
+        adjacency = coo_matrix((np.ones(len(src), dtype=np.int8), (src, dst)),
+                               shape=(total, total)).tocsr()
+        _, labels = connected_components(adjacency, directed=False)
+        return labels[:self.rows]
+
+
+def _exact_codes(exact: pa.ChunkedArray) -> np.ndarray:
+    encoded = pc.dictionary_encode(exact.combine_chunks())
+    return pc.fill_null(encoded.indices, _NO_CODE).to_numpy(zero_copy_only=False
+                                                            ).astype(np.int64)
+
+
+def _phash_nodes(phash: np.ndarray, usable: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    values, inverse = np.unique(phash[usable], return_inverse=True)
+    node = np.full(len(phash), -1, dtype=np.int64)
+    node[usable] = inverse
+    return values, node
+
+
+@dataclass
+class DedupResult:
+    duplicates: pa.Table  # DUPLICATES_SCHEMA, sorted by key
+    stats: dict[str, int | str]
+
+
+def _check_unique_keys(keys: pa.ChunkedArray) -> None:
+    if pc.count_distinct(keys).as_py() != len(keys):
+        counts = pc.value_counts(keys)
+        repeated = [v["values"] for v in counts.to_pylist() if v["counts"] > 1][:5]
+        raise ValueError(f"duplicate keys among ok rows (stage 1 broke its contract): "
+                         f"{repeated}")
+
+
+def _combined(rows: pa.Table, index: pa.Table | None) -> tuple[pa.Table, np.ndarray]:
+    new = rows.append_column("source", pa.nulls(len(rows), pa.string()))
+    if index is None or len(index) == 0:
+        return new, np.zeros(len(new), dtype=bool)
+    old = index_rows(index).cast(new.schema)
+    from_index = np.concatenate([np.zeros(len(new), bool), np.ones(len(old), bool)])
+    return pa.concat_tables([new, old]).combine_chunks(), from_index
+
+
+def _duplicates_table(table: pa.Table, dropped: np.ndarray, kept: np.ndarray,
+                      exact_losers: np.ndarray, phash: np.ndarray, phash_ok: np.ndarray
+                      ) -> pa.Table:
+    """One row per dropped sample, sorted by key.
+
+    ``kind`` is exact when the row's pixels also belong to a better-ranked row (exact
+    dedup alone would drop it), near otherwise; ``kept_key`` is always the cluster's
+    survivor and ``distance`` the phash bits between the row and that survivor.
+    """
+    rows, kept = np.flatnonzero(dropped), kept[dropped]
+    exact = exact_losers[rows]
+    both = phash_ok[rows] & phash_ok[kept]
+    distance = np.bitwise_count(phash[rows] ^ phash[kept]).astype(np.int32)
+    kept_key = table["key"].take(kept)
+    kept_source = table["source"].take(kept)
+    cluster = pc.if_else(pc.is_null(kept_source), kept_key,
+                         pc.binary_join_element_wise(kept_source, kept_key, ":"))
+    kind = np.where(exact, Status.DUPLICATE_EXACT.value, Status.DUPLICATE_NEAR.value)
+    out = pa.table({
+        "key": table["key"].take(rows),
+        "kind": pa.array(kind, pa.string()),
+        "cluster_id": cluster,
+        "kept_key": kept_key,
+        "kept_source": kept_source,
+        "distance": pa.array(distance, pa.int32(), mask=~both),
+    }, schema=DUPLICATES_SCHEMA)
+    return out.take(pc.sort_indices(out, sort_keys=[("key", "ascending")]))
+
+
+def _rank(table: pa.Table, from_index: np.ndarray) -> np.ndarray:
+    width = pc.fill_null(table["original_width"], 0).to_numpy().astype(np.int64)
+    height = pc.fill_null(table["original_height"], 0).to_numpy().astype(np.int64)
+    return survivor_order(table["key"], table["source"], from_index, width * height)
+
+
+def _best_of_groups(groups: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Row with the lowest rank in each row's group (groups: non-negative labels)."""
+    best = np.full(groups.max(initial=-1) + 1, len(rank), dtype=np.int64)
+    np.minimum.at(best, groups, rank)
+    return np.argsort(rank)[best[groups]]
+
+
+def _exact_losers(exact_codes: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Rows pixel-identical to a better-ranked row: what exact dedup alone would drop."""
+    losers = np.zeros(len(rank), dtype=bool)
+    has = exact_codes >= 0
+    rows = np.flatnonzero(has)
+    losers[rows] = _best_of_groups(exact_codes[has], rank[has]) != np.arange(len(rank))[has]
+    return losers
+
+
+def _stats(duplicates: pa.Table, from_index: np.ndarray, labels: np.ndarray,
+           dropped: np.ndarray, uninformative: np.ndarray, phash_ok: np.ndarray,
+           near: NearPairs, n_values: int, max_distance: int) -> dict[str, int | str]:
+    new = ~from_index
+    exact_n = int(pc.sum(pc.equal(duplicates["kind"], Status.DUPLICATE_EXACT.value)
+                         ).as_py() or 0)
+    plan = plan_bands(n_values, HASH_BITS, max_distance) if max_distance > 0 else None
+    return {
+        "ok_rows": int(new.sum()),
+        "index_rows": int(from_index.sum()),
+        "duplicates": len(duplicates),
+        "duplicate_exact": exact_n,
+        "duplicate_near": len(duplicates) - exact_n,
+        "dropped_for_index": int(pc.sum(pc.is_valid(duplicates["kept_source"])).as_py() or 0),
+        "clusters": len(np.unique(labels[dropped])),
+        "kept": int(new.sum()) - len(duplicates),
+        "degenerate_hashes": int((uninformative & new).sum()),
+        "missing_phash": int((~phash_ok & new).sum()),
+        "distinct_phashes": n_values,
+        "dense_phashes": len(near.dense),
+        "near_pairs": len(near.pairs),
+        "max_distance": max_distance,
+        "band_plan": plan.describe() if plan else "all pairs",
+    }
+
+
+def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = None,
+                    mapper: CombosMapper | None = None) -> DedupResult:
+    """Decide which of ``rows`` (ROWS_SCHEMA, ok rows) are duplicates.
+
+    ``index`` (INDEX_SCHEMA) holds rows of earlier builds: they take part in every join
+    and always survive, so a new row that matches one is dropped in its favour. Rows with
+    a missing, degenerate or dense phash only take part in the exact join. ``mapper``
+    runs the band combinations (locally by default; the stage passes a Ray one).
+    """
+    _check_unique_keys(rows["key"])
+    table, from_index = _combined(rows, index)
+    phash, phash_ok = _u64(table["phash"])
+    values, node = _phash_nodes(phash, phash_ok & ~is_degenerate(phash))
+    near = near_pairs(values, max_distance, mapper)
+    node[np.isin(node, near.dense)] = -1  # dense hashes leave the phash join too
+    uninformative = phash_ok & (node < 0)
+    graph = _Graph(len(table), _exact_codes(table["exact"]), values, node, near.pairs)
+    labels = graph.components()
+    rank = _rank(table, from_index)
+    kept = _best_of_groups(labels, rank)
+    dropped = (kept != np.arange(len(table))) & ~from_index
+    exact = _exact_losers(graph.exact_codes, rank)
+    duplicates = _duplicates_table(table, dropped, kept, exact, phash, phash_ok)
+    stats = _stats(duplicates, from_index, labels, dropped, uninformative, phash_ok, near,
+                   len(values), max_distance)
+    return DedupResult(duplicates, stats)
+
+
+def next_index(rows: pa.Table, duplicates: pa.Table, source: str,
+               previous: pa.Table | None = None) -> pa.Table:
+    """The index for later builds: earlier index rows plus this build's survivors.
+
+    Only survivors go in: an index stands for what a build ships, so a later match
+    points at a sample that exists. Rows repeated across given indexes appear once.
+    """
+    kept = rows.filter(pc.invert(pc.is_in(rows["key"], value_set=duplicates["key"])))
+    new = pa.table({
+        "key": kept["key"],
+        "source": pa.array([source] * len(kept), pa.string()),
+        "pixel_hash": kept["exact"],
+        "phash": kept["phash"],
+        "original_width": kept["original_width"],
+        "original_height": kept["original_height"],
+    }, schema=INDEX_SCHEMA)
+    parts = [] if previous is None else [previous.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)]
+    merged = pa.concat_tables([*parts, new]).combine_chunks()
+    return _drop_repeated_rows(merged)
+
+
+def _drop_repeated_rows(index: pa.Table) -> pa.Table:
+    order = pc.sort_indices(index, sort_keys=[("source", "ascending"), ("key", "ascending")])
+    ordered = index.take(order)
+    if len(ordered) < 2:
+        return ordered
+    src, key = ordered["source"], ordered["key"]
+    same = pc.and_(pc.equal(src.slice(1), src.slice(0, len(ordered) - 1)),
+                   pc.equal(key.slice(1), key.slice(0, len(ordered) - 1)))
+    keep = np.concatenate([[True], ~pc.fill_null(same, False).to_numpy(zero_copy_only=False)])
+    return ordered.filter(pa.array(keep))

@@ -1,0 +1,212 @@
+"""Stage 2 on Ray: read the hash columns of the raw shards, decide duplicates, write them.
+
+Only ``records.HASH_COLUMNS`` are read (never the images), one Ray task per parquet file.
+The band join runs as one Ray task per band combination (their results are disjoint);
+components and survivors are decided on the driver, whose memory grows with the number
+of hashes only. Outputs, under ``out_dir``:
+
+* ``duplicates.parquet``  key, kind, cluster_id, kept_key, kept_source, distance
+* ``index.parquet``       (``dedup.write_index``) earlier index rows + this build's survivors
+* ``dedup_stats.json``    written last: its presence marks the stage complete
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pairforge.config import DedupConfig, RayConfig
+from pairforge.filters.dedup import (
+    DUPLICATES_SCHEMA,
+    INDEX_SCHEMA,
+    ROWS_SCHEMA,
+    BandPlan,
+    NearPairs,
+    combo_pairs,
+    find_duplicates,
+    next_index,
+    prepare_rows,
+)
+from pairforge.pipeline.ray_runtime import init_ray
+from pairforge.records import HASH_COLUMNS
+
+DUPLICATES_FILE = "duplicates.parquet"
+STATS_FILE = "dedup_stats.json"
+INDEX_FILE = "index.parquet"
+
+# A band-combination task is pure numpy on one core; reading a parquet is mostly I/O.
+# Neither waits on other tasks, so these cannot deadlock even a 1-CPU Ray instance.
+_JOIN_CPUS = 1
+_READ_CPUS = 0.5
+
+
+def read_hash_columns(url: str, storage_options: dict[str, Any]
+                      ) -> tuple[pa.Table, dict[str, int]]:
+    """The ok rows of one raw shard parquet (ROWS_SCHEMA) and its rows per status."""
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    with fs.open(path, "rb") as handle:
+        table = pq.read_table(handle, columns=HASH_COLUMNS)
+    counts = {row["values"]: row["counts"] for row in
+              pc.value_counts(table["status"]).to_pylist()}
+    return prepare_rows(table), counts
+
+
+def read_index(url: str, storage_options: dict[str, Any]) -> pa.Table:
+    """One dedup index file of an earlier build (INDEX_SCHEMA)."""
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    with fs.open(path, "rb") as handle:
+        table = pq.read_table(handle, columns=INDEX_SCHEMA.names)
+    return table.cast(INDEX_SCHEMA)
+
+
+def _expand(fs: fsspec.AbstractFileSystem, pattern: str) -> list[str]:
+    """URLs of the files a path or glob names, sorted so runs see them in one order."""
+    paths = fs.glob(pattern) if any(c in pattern for c in "*?[") else [pattern]
+    return sorted(fs.unstrip_protocol(p) for p in paths)
+
+
+def _raw_files(raw_dir: str, storage_options: dict[str, Any]) -> list[str]:
+    fs, root = fsspec.core.url_to_fs(raw_dir, **storage_options)
+    files = _expand(fs, posixpath.join(root, "*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"no raw shard parquet files in {raw_dir}")
+    return files
+
+
+def _index_files(patterns: list[str], storage_options: dict[str, Any]) -> list[str]:
+    files: list[str] = []
+    for pattern in patterns:
+        fs, path = fsspec.core.url_to_fs(pattern, **storage_options)
+        found = _expand(fs, path)
+        if not found or not all(fs.exists(f) for f in found):
+            raise FileNotFoundError(f"dedup index not found: {pattern}")
+        files += found
+    return files
+
+
+def _ray_get(refs: list[Any]) -> list[Any]:
+    import ray
+
+    return ray.get(refs)
+
+
+def _read_all(files: list[str], indexes: list[str], storage_options: dict[str, Any],
+              retries: int) -> tuple[pa.Table, Counter[str], pa.Table | None]:
+    import ray
+
+    read = ray.remote(num_cpus=_READ_CPUS, max_retries=retries)(read_hash_columns)
+    read_idx = ray.remote(num_cpus=_READ_CPUS, max_retries=retries)(read_index)
+    shard_refs = [read.remote(f, storage_options) for f in files]
+    index_refs = [read_idx.remote(f, storage_options) for f in indexes]
+    shards, index_parts = _ray_get(shard_refs), _ray_get(index_refs)
+    status: Counter[str] = Counter()
+    for _, counts in shards:
+        status.update(counts)
+    rows = pa.concat_tables([ROWS_SCHEMA.empty_table(), *(t for t, _ in shards)])
+    index = pa.concat_tables(index_parts).combine_chunks() if index_parts else None
+    return rows.combine_chunks(), status, index
+
+
+def ray_mapper(retries: int) -> Callable[[np.ndarray, BandPlan], list[NearPairs]]:
+    """Run each band combination as a Ray task over one shared copy of the hashes."""
+
+    def run(hashes: np.ndarray, plan: BandPlan) -> list[NearPairs]:
+        import ray
+
+        task = ray.remote(num_cpus=_JOIN_CPUS, max_retries=retries)(combo_pairs)
+        shared = ray.put(hashes)
+        return _ray_get([task.remote(shared, plan, combo) for combo in plan.combos])
+
+    return run
+
+
+def _write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Temp name, then rename: a reader never sees a half-written file."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    with fs.open(tmp, "wb") as handle:
+        handle.write(data)
+    fs.mv(tmp, path)
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def _default_source(out_dir: str) -> str:
+    """Label of this build in the index: its output root (the parent of dedup/)."""
+    parent = posixpath.dirname(out_dir.rstrip("/"))
+    return parent or out_dir
+
+
+def _load_stats(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
+    with fs.open(path, "r") as handle:
+        return json.load(handle)
+
+
+def _disabled(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any]:
+    _write_atomic(fs, posixpath.join(root, DUPLICATES_FILE),
+                  _parquet_bytes(DUPLICATES_SCHEMA.empty_table()))
+    stats = {"stage": "dedup", "enabled": False}
+    _write_atomic(fs, posixpath.join(root, STATS_FILE), json.dumps(stats).encode())
+    return stats
+
+
+def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
+              storage_options: dict | None = None, *, source: str | None = None,
+              force: bool = False) -> dict:
+    """Stage 2: write ``out_dir/duplicates.parquet`` (+ index) and return the stats.
+
+    A finished run (its stats file exists) is not redone unless ``force``. ``source``
+    labels this build's rows in the index it writes (default: the parent of out_dir).
+    """
+    opts = dict(storage_options or {})
+    fs, root = fsspec.core.url_to_fs(out_dir, **opts)
+    stats_path = posixpath.join(root, STATS_FILE)
+    if not force and fs.exists(stats_path):
+        return _load_stats(fs, stats_path)
+    fs.makedirs(root, exist_ok=True)
+    if not cfg.enabled:
+        return _disabled(fs, root)
+    started = time.perf_counter()
+    files = _raw_files(raw_dir, opts)
+    indexes = _index_files(cfg.index, opts)
+    init_ray(ray_cfg)
+    rows, status, index = _read_all(files, indexes, opts, ray_cfg.max_task_retries)
+    read_s = time.perf_counter() - started
+    result = find_duplicates(rows, cfg.max_distance, index,
+                             ray_mapper(ray_cfg.max_task_retries))
+    decide_s = time.perf_counter() - started - read_s
+    _write_atomic(fs, posixpath.join(root, DUPLICATES_FILE),
+                  _parquet_bytes(result.duplicates))
+    if cfg.write_index:
+        new_index = next_index(rows, result.duplicates, source or _default_source(out_dir),
+                               index)
+        _write_atomic(fs, posixpath.join(root, INDEX_FILE), _parquet_bytes(new_index))
+    stats = {
+        "stage": "dedup",
+        "enabled": True,
+        "raw_files": len(files),
+        "index_files": len(indexes),
+        "rows_in": sum(status.values()),
+        "status_counts": dict(sorted(status.items())),
+        **result.stats,
+        "index_written": cfg.write_index,
+        "seconds": {"read": round(read_s, 3), "decide": round(decide_s, 3),
+                    "total": round(time.perf_counter() - started, 3)},
+    }
+    # Written last: the stats file is the completion marker.
+    _write_atomic(fs, stats_path, json.dumps(stats, indent=2).encode())
+    return stats

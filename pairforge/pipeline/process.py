@@ -1,0 +1,259 @@
+"""Stage 3: raw shards through the step chain on Ray Data, into training shards.
+
+Rows to process (ok after download and dedup) stream from the raw shards through the
+steps with Ray Data's backpressure; model steps are actor pools. Only small result
+columns come back to the driver (never images), which hands each shard, once all its rows
+are in, to a writer task that re-reads the images from the raw tar. A shard is complete
+when its stats file exists; a rerun skips complete shards.
+
+CLIP's ``top_fraction`` mode needs the score distribution over the whole dataset first:
+a first pass scores every shard into ``OUT/clip/NNNNN.parquet`` (complete per shard), the
+threshold is the quantile of those scores, and the second pass reads the cached scores
+instead of running the model again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pairforge.config import PairforgeConfig
+from pairforge.filters.basic import BasicFilterStep
+from pairforge.filters.clip import ClipStep
+from pairforge.pipeline.progress import StageDisplay
+from pairforge.pipeline.ray_runtime import init_ray
+from pairforge.pipeline.steps import Step, add_step, fit_actor_cpus
+from pairforge.records import Status
+from pairforge.shards.raw import completed_shards, shard_name
+from pairforge.shards.storage import OutputDir
+from pairforge.shards.training import (
+    RAW_FOLDER,
+    SHARDS_FOLDER,
+    final_rows,
+    read_raw_images,
+    write_embeddings,
+    write_training_shard,
+)
+
+DEDUP_FOLDER = "dedup"
+SCORES_FOLDER = "clip"
+# What the steps see of a raw row; the writer gets the rest back from the raw parquet.
+STEP_INPUT_COLUMNS = ["key", "caption", "status", "error", "image_format", "width", "height",
+                      "original_width", "original_height"]
+SAMPLE_FIELDS = ["key", "url", "caption", "width", "height", "original_width",
+                 "original_height", "image_format", "sha256", "pixel_hash", "phash",
+                 "clip_score"]
+
+
+def enabled_steps(cfg: PairforgeConfig) -> list[type[Step]]:
+    """The step chain, in order. A new step adds one line here and a config section."""
+    chain: list[tuple[bool, type[Step]]] = [
+        (cfg.process.basic.enabled, BasicFilterStep),
+        (cfg.process.clip.enabled, ClipStep),
+    ]
+    return [step for enabled, step in chain if enabled]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    shard_id: int
+    to_process: int  # rows the steps must return before the shard can be written
+    duplicates: dict[str, tuple[str, str]]  # key -> (status, kept key)
+
+
+def read_duplicates(out: OutputDir, cfg: PairforgeConfig) -> dict[str, tuple[str, str]]:
+    if not cfg.dedup.enabled:
+        return {}
+    if not out.exists(DEDUP_FOLDER, "dedup_stats.json"):
+        raise RuntimeError("dedup is enabled but OUT/dedup is not complete: run "
+                           "`pairforge dedup` (or `build`) first, or set dedup.enabled=false")
+    with out.fs.open(out.path(DEDUP_FOLDER, "duplicates.parquet"), "rb") as f:
+        table = pq.read_table(f, columns=["key", "kind", "kept_key"])
+    return {k: (kind, kept) for k, kind, kept in zip(
+        table["key"].to_pylist(), table["kind"].to_pylist(), table["kept_key"].to_pylist(),
+        strict=True)}
+
+
+def plan_shards(out: OutputDir, cfg: PairforgeConfig, folder: str) -> list[ShardPlan]:
+    """Complete raw shards not yet complete in ``folder``, with their row counts."""
+    duplicates = read_duplicates(out, cfg)
+    pending = sorted(completed_shards(out, RAW_FOLDER) - completed_shards(out, folder))
+    plans = []
+    for shard_id in pending:
+        raw = _read_raw(out, shard_id, ["key", "status"])
+        keys = [k for k, s in zip(raw["key"].to_pylist(), raw["status"].to_pylist(), strict=True)
+                if s == Status.OK and k not in duplicates]
+        dups = {k: duplicates[k] for k in raw["key"].to_pylist() if k in duplicates}
+        plans.append(ShardPlan(shard_id, len(keys), dups))
+    return plans
+
+
+def _read_raw(out: OutputDir, shard_id: int, columns: list[str] | None = None) -> pa.Table:
+    with out.fs.open(out.path(RAW_FOLDER, f"{shard_name(shard_id)}.parquet"), "rb") as f:
+        return pq.read_table(f, columns=columns)
+
+
+def _cached_scores(out: OutputDir, shard_id: int) -> pa.Table | None:
+    if not out.exists(SCORES_FOLDER, f"{shard_name(shard_id)}.parquet"):
+        return None
+    with out.fs.open(out.path(SCORES_FOLDER, f"{shard_name(shard_id)}.parquet"), "rb") as f:
+        return pq.read_table(f, columns=["key", "clip_score"])
+
+
+def load_rows(batch: pa.Table, out_url: str, storage_options: dict,
+              duplicates: dict[int, set[str]]) -> pa.Table:
+    """Ray Data map: shard ids in, the rows the steps must process out (with images)."""
+    out = OutputDir(out_url, storage_options)
+    tables = []
+    for shard_id in batch["shard"].to_pylist():
+        raw = _read_raw(out, shard_id, STEP_INPUT_COLUMNS)
+        keep = [s == Status.OK and k not in duplicates.get(shard_id, ()) for k, s in zip(
+            raw["key"].to_pylist(), raw["status"].to_pylist(), strict=True)]
+        rows = raw.filter(pa.array(keep, pa.bool_()))
+        images = read_raw_images(out, shard_id, set(rows["key"].to_pylist()))
+        rows = rows.append_column("image", pa.array(
+            [images[k][1] for k in rows["key"].to_pylist()], pa.binary()))
+        rows = rows.append_column("shard", pa.array([shard_id] * rows.num_rows, pa.int32()))
+        scores = _cached_scores(out, shard_id)
+        if scores is not None:
+            lookup = dict(zip(scores["key"].to_pylist(), scores["clip_score"].to_pylist(),
+                              strict=True))
+            rows = rows.append_column("clip_score", pa.array(
+                [lookup.get(k) for k in rows["key"].to_pylist()], pa.float32()))
+        tables.append(rows)
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def _write_task(out_url: str, storage_options: dict, plan: ShardPlan, results: pa.Table,
+                stats_extra: dict[str, Any]) -> dict[str, Any]:
+    out = OutputDir(out_url, storage_options)
+    raw = _read_raw(out, plan.shard_id)
+    rows = final_rows(raw, plan.duplicates, results)
+    return write_training_shard(out, plan.shard_id, rows, raw.schema, SAMPLE_FIELDS,
+                                stats_extra)
+
+
+def _write_scores_task(out_url: str, storage_options: dict, plan: ShardPlan,
+                       results: pa.Table, stats_extra: dict[str, Any]) -> dict[str, Any]:
+    out = OutputDir(out_url, storage_options)
+    out.makedirs(SCORES_FOLDER)
+    table = results.select(["key", "status", "clip_score"])
+    if "clip_embedding" in results.column_names:
+        write_embeddings(out, plan.shard_id, table["key"].to_pylist(),
+                         results["clip_embedding"].to_pylist())
+    # The score file is the completion marker of this pass, so it is written last.
+    with out.open_atomic(SCORES_FOLDER, f"{shard_name(plan.shard_id)}.parquet") as f:
+        pq.write_table(table, f)
+    return {"shard": plan.shard_id, "count": table.num_rows}
+
+
+def _stream(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan], steps: list[type[Step]],
+            writer: Callable, stats_extra: dict[str, Any], display: StageDisplay | None) -> None:
+    """Run the step chain over the planned shards, handing each full shard to ``writer``."""
+    import ray
+
+    write = ray.remote(num_cpus=0.25, max_retries=cfg.ray.max_task_retries)(writer)
+    by_id = {p.shard_id: p for p in plans}
+    buffers: dict[int, list[pa.Table]] = defaultdict(list)
+    received: Counter = Counter()
+    counts: Counter = Counter()
+    writes: list = []
+    already_done = (display.shards_done if display else 0)
+
+    def finish(shard_id: int) -> None:
+        parts = buffers.pop(shard_id, [])
+        results = (pa.concat_tables(parts, promote_options="permissive") if parts
+                   else pa.table({"key": pa.array([], pa.string())}))
+        writes.append(write.remote(out.url, cfg.output.storage_options, by_id[shard_id],
+                                   results, stats_extra))
+
+    for plan in plans:
+        if plan.to_process == 0:
+            finish(plan.shard_id)
+    todo = [p for p in plans if p.to_process]
+    if todo:
+        dups = {p.shard_id: set(p.duplicates) for p in todo}
+        ds = ray.data.from_items([{"shard": p.shard_id} for p in todo],
+                                 override_num_blocks=len(todo))
+        ds = ds.map_batches(load_rows, batch_size=1, batch_format="pyarrow", num_cpus=0.25,
+                            fn_args=(out.url, cfg.output.storage_options, dups))
+        actor_cpus = fit_actor_cpus(steps, cfg, ray.cluster_resources().get("CPU", 1.0))
+        for step in steps:
+            ds = add_step(ds, step, cfg, actor_cpus)
+        ds = ds.drop_columns(["image"])
+        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            for shard_id in pc.unique(batch["shard"]).to_pylist():
+                part = batch.filter(pc.equal(batch["shard"], shard_id)).drop_columns(["shard"])
+                buffers[shard_id].append(part)
+                received[shard_id] += part.num_rows
+                counts.update(part["status"].to_pylist())
+                if received[shard_id] == by_id[shard_id].to_process:
+                    finish(shard_id)
+            if display:
+                display.update(dict(counts), already_done + len(writes))
+    ray.get(writes)
+
+
+def _score_threshold(out: OutputDir, cfg: PairforgeConfig) -> float:
+    """The score that keeps ``top_fraction`` of all scored rows (DataComp's top 30%)."""
+    scores = []
+    for name in out.glob(f"{SCORES_FOLDER}/*.parquet"):
+        with out.fs.open(out.path(SCORES_FOLDER, name), "rb") as f:
+            column = pq.read_table(f, columns=["clip_score"])["clip_score"]
+        scores.append(column.drop_null().to_numpy())
+    values = np.concatenate(scores) if scores else np.array([], np.float32)
+    if not len(values):
+        return float("-inf")
+    # Keep the k highest scores; ties at the boundary are all kept.
+    k = max(1, int(round(cfg.process.clip.top_fraction * len(values))))
+    return float(np.sort(values)[::-1][k - 1])
+
+
+def run_process(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, Any]:
+    """Stage 3 over every complete raw shard that has no complete output shard yet."""
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
+    out.makedirs(SHARDS_FOLDER)
+    out.remove_temporaries(SHARDS_FOLDER)
+    init_ray(cfg.ray)
+    steps = enabled_steps(cfg)
+    started = time.time()
+    clip = cfg.process.clip
+    stats_extra: dict[str, Any] = {"stage": "process", "steps": [s.name for s in steps]}
+    if clip.enabled:
+        stats_extra["clip_model"] = f"{clip.model}/{clip.pretrained}"
+    if clip.enabled and clip.mode == "top_fraction":
+        scoring = cfg.model_copy(deep=True)
+        scoring.process.clip.mode = "score_only"
+        score_plans = plan_shards(out, cfg, SCORES_FOLDER)
+        _stream(scoring, out, score_plans, steps, _write_scores_task, {}, None)
+        threshold = _score_threshold(out, cfg)
+        cfg = cfg.model_copy(deep=True)
+        cfg.process.clip.mode, cfg.process.clip.threshold = "threshold", threshold
+        stats_extra["clip_threshold"] = threshold
+        stats_extra["clip_top_fraction"] = clip.top_fraction
+    elif clip.enabled and clip.mode == "threshold":
+        stats_extra["clip_threshold"] = clip.threshold
+    plans = plan_shards(out, cfg, SHARDS_FOLDER)
+    all_ids = sorted(completed_shards(out, RAW_FOLDER))
+    rows = sum(p.to_process for p in plans)
+    display = (StageDisplay("process", len(all_ids), rows, len(all_ids) - len(plans))
+               if show_progress else None)
+    if display:
+        with display:
+            _stream(cfg, out, plans, steps, _write_task, stats_extra, display)
+    else:
+        _stream(cfg, out, plans, steps, _write_task, stats_extra, None)
+    seconds = time.time() - started
+    from pairforge.pipeline.runner import summarise
+
+    summary = summarise(out, SHARDS_FOLDER, all_ids)
+    return {**summary, "shards_skipped": len(all_ids) - len(plans), "seconds": round(seconds, 2),
+            "rows_per_s": round(rows / seconds, 1) if rows else None, **stats_extra}

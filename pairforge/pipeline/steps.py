@@ -1,0 +1,145 @@
+"""The per-batch steps of stage 3 and how they are placed on Ray Data.
+
+A step is a small class: it declares the columns it reads (``requires``) and the columns it
+adds (``provides``), and processes only the rows whose status is still ``ok``; rows that
+left earlier pass through untouched, so every row reaches the writer and the funnel adds
+up. A step may also end rows with a status (a filter). Model steps run in actor pools
+that load their model once per actor; other steps run as plain Ray tasks. The frame knows
+nothing about which models run: a new step is a class and a config section.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pairforge.config import ModelPoolConfig, PairforgeConfig
+from pairforge.records import Status
+
+
+@dataclass
+class StepResult:
+    """What a step computed for the ok rows it was given, aligned with those rows."""
+
+    columns: dict[str, pa.Array | list] = field(default_factory=dict)
+    status: list[str | None] | None = None  # a new status per row, or None to keep ok
+    error: list[str | None] | None = None
+
+
+class Step:
+    name: ClassVar[str]
+    requires: ClassVar[tuple[str, ...]] = ()
+    provides: ClassVar[dict[str, pa.DataType]] = {}
+
+    def __init__(self, cfg: PairforgeConfig) -> None:
+        self.cfg = cfg
+
+    def process(self, rows: pa.Table) -> StepResult:
+        raise NotImplementedError
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        missing = [c for c in self.requires if c not in batch.column_names]
+        if missing:
+            raise KeyError(f"step {self.name} needs columns {missing}")
+        ok = pc.equal(batch["status"], Status.OK.value).to_numpy(zero_copy_only=False)
+        index = np.flatnonzero(ok)
+        result = self.process(batch.take(index)) if len(index) else StepResult()
+        return merge_result(batch, index, result, self.provides)
+
+
+def _scatter(values: pa.Array | list, index: np.ndarray, length: int,
+             dtype: pa.DataType) -> pa.Array:
+    full: list[Any] = [None] * length
+    for i, value in zip(index, pa.array(values, dtype).to_pylist(), strict=True):
+        full[i] = value
+    return pa.array(full, dtype)
+
+
+def merge_result(batch: pa.Table, index: np.ndarray, result: StepResult,
+                 provides: dict[str, pa.DataType]) -> pa.Table:
+    """Put a step's per-ok-row output back into the full batch."""
+    n = batch.num_rows
+    for name, dtype in provides.items():
+        values = result.columns.get(name, [None] * len(index))
+        column = _scatter(values, index, n, dtype)
+        if name in batch.column_names:
+            # A later pass may fill a column an earlier one left null: keep the known values.
+            column = pc.coalesce(column, batch[name].cast(dtype))
+            batch = batch.set_column(batch.column_names.index(name), name, column)
+        else:
+            batch = batch.append_column(name, column)
+    if result.status is not None:
+        status = batch["status"].to_pylist()
+        error = batch["error"].to_pylist()
+        for i, new_status, new_error in zip(index, result.status, result.error or [],
+                                            strict=False):
+            if new_status is not None:
+                status[i], error[i] = new_status, new_error
+        batch = batch.set_column(batch.column_names.index("status"), "status",
+                                 pa.array(status, pa.string()))
+        batch = batch.set_column(batch.column_names.index("error"), "error",
+                                 pa.array(error, pa.string()))
+    return batch
+
+
+class ModelStep(Step):
+    """A step whose class is an actor: ``__init__`` loads the model once per actor."""
+
+    @classmethod
+    def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
+        raise NotImplementedError
+
+    def __init__(self, cfg: PairforgeConfig) -> None:
+        super().__init__(cfg)
+        threads = self.pool_config(cfg).torch_threads
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+
+
+def _run_plain_step(step_cls: type[Step], cfg: PairforgeConfig, batch: pa.Table) -> pa.Table:
+    return step_cls(cfg)(batch)
+
+
+# CPUs left free of actors for the reading, filtering and writing tasks. Actors hold their
+# CPUs for the whole run: if pools took every CPU, no task could run and the stage would
+# hang (Ray's default of one CPU per actor does exactly that on a small machine).
+TASK_CPU_RESERVE = 0.75
+PLAIN_STEP_CPUS = 0.25
+
+
+def fit_actor_cpus(steps: list[type[Step]], cfg: PairforgeConfig,
+                   cluster_cpus: float) -> dict[str, float]:
+    """CPUs per actor for each model step, scaled down so all pools fit beside the tasks."""
+    pools = {s.name: s.pool_config(cfg) for s in steps if issubclass(s, ModelStep)}
+    demand = sum(p.pool_size * p.num_cpus for p in pools.values())
+    budget = max(cluster_cpus - TASK_CPU_RESERVE, 0.05 * demand)
+    scale = min(1.0, budget / demand) if demand else 1.0
+    return {name: round(p.num_cpus * scale, 4) for name, p in pools.items()}
+
+
+def add_step(ds: Any, step_cls: type[Step], cfg: PairforgeConfig,
+             actor_cpus: dict[str, float] | None = None) -> Any:
+    """Append one step to a Ray dataset: an actor pool for models, tasks otherwise."""
+    if issubclass(step_cls, ModelStep):
+        pool = step_cls.pool_config(cfg)
+        num_cpus = (actor_cpus or {}).get(step_cls.name, pool.num_cpus)
+        extra: dict[str, Any] = {}
+        if pool.num_gpus:
+            extra["num_gpus"] = pool.num_gpus
+        if pool.resources:
+            extra["resources"] = pool.resources
+        from ray.data import ActorPoolStrategy
+
+        return ds.map_batches(step_cls, fn_constructor_args=(cfg,), batch_size=pool.batch_size,
+                              batch_format="pyarrow",
+                              compute=ActorPoolStrategy(size=pool.pool_size),
+                              num_cpus=num_cpus, **extra)
+    return ds.map_batches(functools.partial(_run_plain_step, step_cls, cfg), batch_size=None,
+                          batch_format="pyarrow", num_cpus=PLAIN_STEP_CPUS)

@@ -1,0 +1,470 @@
+"""Stage 2 (dedup): the algorithm on planted COCO variants, its invariances and guards,
+and a few runs of the Ray stage on raw parquet files.
+
+Run with ``-s`` to see recall, false-positive rate and the distances observed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image, ImageEnhance, ImageOps
+
+from pairforge.config import DedupConfig, RayConfig
+from pairforge.filters.dedup import (
+    DEGENERATE_MIN_BITS,
+    ROWS_SCHEMA,
+    _brute_pairs,
+    find_duplicates,
+    is_degenerate,
+    local_mapper,
+    near_pairs,
+    next_index,
+    plan_bands,
+    prepare_rows,
+)
+from pairforge.filters.hashing import phash_u64, pixel_hash_hex, sha256_hex
+from pairforge.records import Status, make_key, raw_schema
+
+COCO = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-sample" / "images"
+T = DedupConfig().max_distance
+FAMILIES = 24  # photos that get planted variants
+
+pytestmark = pytest.mark.skipif(not COCO.is_dir(), reason="COCO sample not available")
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def decode(data: bytes) -> Image.Image:
+    """Decode as the downloader does before hashing."""
+    image = Image.open(io.BytesIO(data))
+    return ImageOps.exif_transpose(image).convert("RGB")
+
+
+def encode(image: Image.Image, fmt: str, **options) -> bytes:
+    out = io.BytesIO()
+    image.save(out, fmt, **options)
+    return out.getvalue()
+
+
+@dataclass
+class Sample:
+    key: str
+    photo: str  # the COCO file it comes from
+    variant: str  # "original" or how it was made
+    sha256: str
+    pixel_hash: str
+    phash: int
+    width: int
+    height: int
+
+
+def hash_sample(key: str, photo: str, variant: str, data: bytes) -> Sample:
+    image = decode(data)
+    return Sample(key, photo, variant, sha256_hex(data), pixel_hash_hex(image),
+                  phash_u64(image), image.width, image.height)
+
+
+def make_variants(data: bytes) -> dict[str, bytes]:
+    """Encoded files that are the same photo: what the web serves under other URLs."""
+    image = decode(data)
+    w, h = image.size
+    return {
+        "copy": data,  # the same file under another URL
+        "png": encode(image, "PNG"),  # format change, identical pixels
+        "q90": encode(image, "JPEG", quality=90),
+        "q60": encode(image, "JPEG", quality=60),
+        "webp": encode(image, "WEBP", quality=80),
+        "half": encode(image.resize((w // 2, h // 2), Image.LANCZOS), "JPEG", quality=90),
+        "double": encode(image.resize((w * 2, h * 2), Image.LANCZOS), "JPEG", quality=90),
+        "crop2": encode(image.crop((0, 0, w - 2, h - 2)), "JPEG", quality=95),
+        "crop2tl": encode(image.crop((2, 2, w, h)), "JPEG", quality=95),
+        "brighter": encode(ImageEnhance.Brightness(image).enhance(1.05), "JPEG", quality=95),
+        "darker": encode(ImageEnhance.Brightness(image).enhance(0.95), "JPEG", quality=95),
+    }
+
+
+# Variants whose phash moved by at most 2 bits on every one of 40 COCO photos tried;
+# they must always be found. A 2-pixel crop shifts the 32x32 grid the phash sees and
+# moved up to 8 bits, so crops are measured (recall), not required.
+ROBUST = {"copy", "png", "q90", "q60", "webp", "half", "double", "brighter", "darker"}
+EXACT = {"copy", "png"}
+
+
+def to_rows(samples: list[Sample]) -> pa.Table:
+    return pa.table({
+        "key": [s.key for s in samples],
+        "exact": [s.pixel_hash for s in samples],
+        "phash": pa.array([s.phash for s in samples], pa.uint64()),
+        "original_width": [s.width for s in samples],
+        "original_height": [s.height for s in samples],
+    }, schema=ROWS_SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def coco() -> list[Sample]:
+    """Every sample photo (shard 0) plus planted variants of FAMILIES of them (shard 1+)."""
+    files = sorted(COCO.iterdir())
+    samples = [hash_sample(make_key(0, i), f.name, "original", f.read_bytes())
+               for i, f in enumerate(files)]
+    step = len(files) // FAMILIES
+    for n, f in enumerate(files[::step][:FAMILIES]):
+        for j, (name, data) in enumerate(sorted(make_variants(f.read_bytes()).items())):
+            samples.append(hash_sample(make_key(1 + n, j), f.name, name, data))
+    return samples
+
+
+def duplicates_of(samples: list[Sample], **kwargs) -> dict[str, dict]:
+    result = find_duplicates(to_rows(samples), T, **kwargs)
+    return {row["key"]: row for row in result.duplicates.to_pylist()}
+
+
+# ------------------------------------------------------------------ planted COCO variants
+
+
+def measure(samples: list[Sample], dropped: dict[str, dict]) -> dict[str, float]:
+    """Recall on planted variants and false positives on distinct photos."""
+    by_key = {s.key: s for s in samples}
+    families = {s.photo for s in samples if s.variant != "original"}
+    members = [s for s in samples if s.photo in families]
+    expected = len(members) - len(families)  # all but one per family
+    same_family = sum(1 for k, row in dropped.items()
+                      if by_key[k].photo in families
+                      and by_key[row["kept_key"]].photo == by_key[k].photo)
+    distinct = [s for s in samples if s.photo not in families]
+    wrong = [k for k, row in dropped.items()
+             if by_key[k].photo not in families
+             or by_key[row["kept_key"]].photo != by_key[k].photo]
+    return {"recall": same_family / expected, "false_positive_rate": len(wrong) / len(distinct),
+            "planted": expected, "found": same_family, "wrongly_dropped": len(wrong)}
+
+
+def distances(samples: list[Sample]) -> tuple[dict[str, int], int]:
+    """Largest distance of each variant kind to its original; nearest distinct photos."""
+    originals = {s.photo: s.phash for s in samples if s.variant == "original"}
+    per_kind: dict[str, int] = {}
+    for s in samples:
+        if s.variant != "original":
+            d = (s.phash ^ originals[s.photo]).bit_count()
+            per_kind[s.variant] = max(per_kind.get(s.variant, 0), d)
+    h = np.array(list(originals.values()), dtype=np.uint64)
+    d = np.bitwise_count(h[:, None] ^ h[None, :])
+    np.fill_diagonal(d, 64)
+    return per_kind, int(d.min())
+
+
+def test_planted_variants_recall_and_false_positives(coco):
+    dropped = duplicates_of(coco)
+    scores = measure(coco, dropped)
+    per_kind, nearest = distances(coco)
+    print(f"\n[dedup] planted variants: recall {scores['recall']:.3f} "
+          f"({scores['found']}/{scores['planted']}), false-positive rate "
+          f"{scores['false_positive_rate']:.4f} ({scores['wrongly_dropped']} distinct photos "
+          f"dropped of {len(coco) - scores['planted'] - FAMILIES})")
+    print(f"[dedup] max phash distance to the original, per variant: {per_kind}")
+    print(f"[dedup] nearest two distinct COCO photos: {nearest} bits (max_distance {T})")
+    assert scores["false_positive_rate"] == 0.0
+    assert scores["recall"] >= 0.9
+    assert nearest > 2 * T  # a default of T leaves a wide margin on real photos
+    by_key = {s.key: s for s in coco}
+    families = {s.photo for s in coco if s.variant != "original"}
+    for photo in families:
+        family = [s for s in coco if s.photo == photo]
+        variants = {s.variant: s for s in family}
+        # survivor rule: the largest original resolution, then the lowest key
+        assert variants["double"].key not in dropped
+        for s in family:
+            if s.variant in ROBUST - {"double"} or s.variant == "original":
+                assert dropped[s.key]["kept_key"] == variants["double"].key, s.variant
+                assert dropped[s.key]["cluster_id"] == variants["double"].key
+        # the original is the first of its pixels, its exact copies are exact duplicates
+        assert dropped[variants["original"].key]["kind"] == Status.DUPLICATE_NEAR
+        for name in EXACT:
+            assert dropped[variants[name].key]["kind"] == Status.DUPLICATE_EXACT
+    for key, row in dropped.items():
+        assert by_key[key].photo == by_key[row["kept_key"]].photo
+        assert row["distance"] == (by_key[key].phash ^ by_key[row["kept_key"]].phash
+                                   ).bit_count()
+
+
+def test_same_bytes_under_two_urls_is_exact(coco):
+    original = coco[0]
+    twin = Sample(**{**original.__dict__, "key": make_key(99, 0)})
+    dropped = duplicates_of([original, twin])
+    assert list(dropped) == [twin.key]
+    assert dropped[twin.key]["kind"] == Status.DUPLICATE_EXACT
+    assert dropped[twin.key]["kept_key"] == original.key
+
+
+def test_result_ignores_workers_and_input_order(coco):
+    rows = to_rows(coco)
+    one = find_duplicates(rows, T, mapper=local_mapper(1)).duplicates
+    many = find_duplicates(rows, T, mapper=local_mapper(4)).duplicates
+    shuffled = rows.take(np.random.default_rng(7).permutation(len(rows)))
+    again = find_duplicates(shuffled, T, mapper=local_mapper(3)).duplicates
+    assert one.equals(many)
+    assert one.equals(again)
+
+
+# ------------------------------------------------------------------------ the band join
+
+
+def planted_hashes(rng: np.random.Generator, n: int, t: int) -> np.ndarray:
+    base = rng.integers(0, 2**63, n, dtype=np.uint64) | np.uint64(1 << 63)
+    src = base[rng.integers(0, n, n // 10)]
+    flips = np.zeros(len(src), np.uint64)
+    for _ in range(t):
+        flips |= np.uint64(1) << rng.integers(0, 64, len(src)).astype(np.uint64)
+    values = np.unique(np.concatenate([base, src ^ flips]))
+    rng.shuffle(values)
+    return values
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 6])
+def test_band_join_finds_exactly_the_all_pairs_result(t):
+    hashes = planted_hashes(np.random.default_rng(t), 3000, t)
+    assert plan_bands(len(hashes), 64, t) is not None  # really the band join
+    found = near_pairs(hashes, t).pairs
+    brute = _brute_pairs(hashes, t)
+    assert len(found) > 100
+    assert np.array_equal(found, brute[np.lexsort((brute[:, 1], brute[:, 0]))])
+
+
+def test_band_join_pigeonhole_plan():
+    plan = plan_bands(10**6, 64, 4)
+    widths = [w for _, w in plan.bands]
+    assert sum(widths) == 64 and len(widths) - plan.k == 4
+    # any pair differing in <= 4 bits leaves >= k bands untouched: checked on flips
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        bits = rng.choice(64, 4, replace=False)
+        touched = {i for i, (s, w) in enumerate(plan.bands) for b in bits if s <= b < s + w}
+        assert len(plan.bands) - len(touched) >= plan.k
+
+
+def test_giant_bucket_of_shared_band_values_is_split_quickly():
+    """50k distinct hashes sharing their top 32 bits (one giant bucket per shared band)."""
+    rng = np.random.default_rng(3)
+    top = np.uint64(0xABCD1234) << np.uint64(32)
+    crowd = top | rng.integers(0, 2**32, 50_000, dtype=np.uint64)
+    rest = rng.integers(0, 2**63, 50_000, dtype=np.uint64)
+    values = np.unique(np.concatenate([crowd, rest]))
+    planted = values[::100] ^ np.uint64(0b1011_0000_0000_0000_0000_0001)  # 4 bits
+    hashes = np.unique(np.concatenate([values, planted]))
+    started = time.perf_counter()
+    result = near_pairs(hashes, T)
+    elapsed = time.perf_counter() - started
+    pairs = {tuple(sorted((int(hashes[a]), int(hashes[b])))) for a, b in result.pairs}
+    missed = [p for p in zip(values[::100].tolist(), planted.tolist(), strict=True)
+              if tuple(sorted(p)) not in pairs]
+    print(f"\n[dedup] 100k hashes, 50k sharing 32 bits: {elapsed:.2f}s, "
+          f"{len(result.pairs)} pairs, {len(missed)} planted missed")
+    assert not missed and len(result.dense) == 0
+    assert elapsed < 10
+
+
+def test_dense_cluster_is_treated_as_degenerate_quickly():
+    """50k distinct hashes inside 20 free bits: every one has ~300 neighbours."""
+    rng = np.random.default_rng(4)
+    top = np.uint64(0xABCD1234ABC) << np.uint64(20)
+    crowd = np.unique(top | rng.integers(0, 2**20, 50_000, dtype=np.uint64))
+    other = rng.integers(0, 2**63, 20_000, dtype=np.uint64)
+    hashes = np.unique(np.concatenate([crowd, other, other[:100] ^ np.uint64(0b11)]))
+    started = time.perf_counter()
+    result = near_pairs(hashes, T)
+    elapsed = time.perf_counter() - started
+    dense = set(hashes[result.dense].tolist())
+    assert dense == set(crowd.tolist())
+    assert len(result.pairs) >= 100  # the ordinary planted pairs are still found
+    assert elapsed < 10
+
+
+# --------------------------------------------------------------------- degenerate hashes
+
+
+def test_blank_images_have_degenerate_hashes():
+    colours = [(0, 0, 0), (255, 255, 255), (128, 128, 128), (200, 30, 40), (10, 200, 10)]
+    hashes = [phash_u64(Image.new("RGB", (320, 240), c)) for c in colours]
+    gradient = np.tile(np.linspace(0, 255, 320), (240, 1)).astype(np.uint8)
+    hashes.append(phash_u64(Image.fromarray(gradient).convert("RGB")))
+    assert is_degenerate(np.array(hashes, dtype=np.uint64)).all()
+    assert bin(hashes[1]).count("1") < DEGENERATE_MIN_BITS
+
+
+def test_blank_images_only_dedup_exactly():
+    """50k rows with the blank-image phash: distinct pixels stay, identical pixels go."""
+    n = 50_000
+    blank = 0x8000000000000000
+    keys = [make_key(i // 10_000, i % 10_000) for i in range(n)]
+    exact = [f"colour-{i}" for i in range(n - 1)] + ["colour-0"]  # one true copy
+    rows = pa.table({"key": keys, "exact": exact,
+                     "phash": pa.array([blank] * n, pa.uint64()),
+                     "original_width": [64] * n, "original_height": [64] * n},
+                    schema=ROWS_SCHEMA)
+    started = time.perf_counter()
+    result = find_duplicates(rows, T)
+    assert time.perf_counter() - started < 10
+    assert result.duplicates["key"].to_pylist() == [keys[-1]]
+    assert result.duplicates["kind"].to_pylist() == [Status.DUPLICATE_EXACT]
+    assert result.stats["degenerate_hashes"] == n
+
+
+# ----------------------------------------------------------------- rules and the index
+
+
+def _rows(*specs: tuple[str, str | None, int | None, int]) -> pa.Table:
+    return pa.table({"key": [s[0] for s in specs], "exact": [s[1] for s in specs],
+                     "phash": pa.array([s[2] for s in specs], pa.uint64()),
+                     "original_width": [s[3] for s in specs],
+                     "original_height": [s[3] for s in specs]}, schema=ROWS_SCHEMA)
+
+
+A = 0xF0F0F0F0F0F0F0F0  # 32 bits set, like a real phash
+B = 0x0FF00FF00FF00FF0
+
+
+def test_survivor_rule_largest_then_lowest_key():
+    rows = _rows(("000000003", "x", A, 100), ("000000001", "y", A ^ 0b11, 200),
+                 ("000000002", "z", A ^ 0b1100, 200), ("000000004", "w", B, 50))
+    dropped = {r["key"]: r for r in find_duplicates(rows, T).duplicates.to_pylist()}
+    assert set(dropped) == {"000000003", "000000002"}
+    assert {r["kept_key"] for r in dropped.values()} == {"000000001"}
+    assert dropped["000000002"]["distance"] == 4
+
+
+def test_sha256_when_pixel_hash_missing():
+    raw = pa.table({"key": ["1", "2", "3"], "status": ["ok", "ok", "timeout"],
+                    "sha256": ["s", "s", None], "pixel_hash": [None, None, None],
+                    "phash": pa.array([A, A ^ 0b1111_0000, None], pa.uint64()),
+                    "original_width": pa.array([1, 1, None], pa.int32()),
+                    "original_height": pa.array([1, 1, None], pa.int32())})
+    rows = prepare_rows(raw)
+    assert rows["exact"].to_pylist() == ["sha256:s", "sha256:s"]
+    dropped = find_duplicates(rows, 2).duplicates.to_pylist()
+    assert [(d["key"], d["kind"]) for d in dropped] == [("2", Status.DUPLICATE_EXACT)]
+
+
+def test_duplicate_keys_are_refused():
+    with pytest.raises(ValueError, match="duplicate keys"):
+        find_duplicates(_rows(("1", "x", A, 1), ("1", "y", B, 1)), T)
+
+
+def test_index_of_an_earlier_build_wins(coco):
+    first = [s for s in coco if s.variant == "original"]  # build 1: every photo
+    rows1 = to_rows(first)
+    result1 = find_duplicates(rows1, T)
+    index = next_index(rows1, result1.duplicates, "build1")
+    assert len(index) == len(first) and set(index["source"].to_pylist()) == {"build1"}
+    # build 2: the variants (keys may repeat build 1's) and two unseen "photos"
+    second = [Sample(**{**s.__dict__, "key": make_key(0, i)})
+              for i, s in enumerate(x for x in coco if x.variant != "original")]
+    fresh = [Sample(make_key(0, 500 + i), "new", "original", "", f"new-{i}", p, 10, 10)
+             for i, p in enumerate([A, B])]
+    result2 = find_duplicates(to_rows(second + fresh), T, index=index)
+    dropped = {r["key"]: r for r in result2.duplicates.to_pylist()}
+    by_key1 = {s.key: s for s in first}
+    for s in second:
+        if s.variant in ROBUST:  # even the 2x resize loses to the shipped original
+            row = dropped[s.key]
+            assert row["kept_source"] == "build1"
+            assert by_key1[row["kept_key"]].photo == s.photo
+            assert row["cluster_id"] == f"build1:{row['kept_key']}"
+    assert not {f.key for f in fresh} & set(dropped)
+    assert result2.stats["dropped_for_index"] == len(dropped)
+    # the next index holds build 1 plus build 2's survivors, each row once
+    index2 = next_index(to_rows(second + fresh), result2.duplicates, "build2", index)
+    again = next_index(to_rows(second + fresh), result2.duplicates, "build2",
+                       pa.concat_tables([index2, index2]))
+    assert index2.equals(again)
+    assert len(index2) == len(index) + len(second) + len(fresh) - len(dropped)
+
+
+# ------------------------------------------------------------------- the stage on Ray
+
+
+def write_raw_shards(folder: Path, samples: list[Sample], shards: int) -> None:
+    """Raw shard parquet files as stage 1 writes them, with failed rows mixed in."""
+    folder.mkdir(parents=True, exist_ok=True)
+    schema = raw_schema()
+    for shard in range(shards):
+        part = samples[shard::shards]
+        n = len(part)
+        failed = 3
+        columns = {name: [None] * (n + failed) for name in schema.names}
+        columns["key"] = [s.key for s in part] + [f"9{shard:04d}{i:04d}" for i in range(failed)]
+        columns["status"] = ["ok"] * n + [Status.TIMEOUT.value] * failed
+        columns["sha256"] = [s.sha256 for s in part] + [None] * failed
+        columns["pixel_hash"] = [s.pixel_hash for s in part] + [None] * failed
+        columns["phash"] = [s.phash for s in part] + [None] * failed
+        columns["original_width"] = [s.width for s in part] + [None] * failed
+        columns["original_height"] = [s.height for s in part] + [None] * failed
+        pq.write_table(pa.table(columns, schema=schema), folder / f"{shard:05d}.parquet")
+
+
+# Ray itself is started once per session by conftest's ray_local fixture; the stage's
+# own init_ray then joins it.
+RAY = RayConfig(num_cpus=2)
+
+
+def test_stage_on_ray_matches_the_algorithm_and_resumes(coco, tmp_path, ray_local):
+    from pairforge.pipeline.dedup_stage import run_dedup
+
+    write_raw_shards(tmp_path / "raw", coco, shards=3)
+    stats = run_dedup(str(tmp_path / "raw"), str(tmp_path / "dedup"), DedupConfig(),
+                      RAY)
+    table = pq.read_table(tmp_path / "dedup" / "duplicates.parquet")
+    expected = find_duplicates(to_rows(coco), T).duplicates
+    assert table.equals(expected)
+    assert stats["rows_in"] == len(coco) + 9
+    assert stats["status_counts"] == {"ok": len(coco), "timeout": 9}
+    assert stats["ok_rows"] == stats["kept"] + stats["duplicates"]
+    on_disk = json.loads((tmp_path / "dedup" / "dedup_stats.json").read_text())
+    assert on_disk == stats
+    assert not [p for p in (tmp_path / "dedup").iterdir() if ".tmp-" in p.name]
+    index = pq.read_table(tmp_path / "dedup" / "index.parquet")
+    assert len(index) == stats["kept"]
+    assert set(index["source"].to_pylist()) == {str(tmp_path)}
+    # a finished stage is not redone
+    (tmp_path / "dedup" / "duplicates.parquet").write_bytes(b"changed")
+    assert run_dedup(str(tmp_path / "raw"), str(tmp_path / "dedup"), DedupConfig(),
+                     RAY) == stats
+
+    # shuffled rows over another number of shards, and an index: same decisions
+    shuffled = [coco[i] for i in np.random.default_rng(1).permutation(len(coco))]
+    write_raw_shards(tmp_path / "raw2", shuffled, shards=5)
+    stats2 = run_dedup(str(tmp_path / "raw2"), str(tmp_path / "dedup2"),
+                       DedupConfig(write_index=False), RAY)
+    assert pq.read_table(tmp_path / "dedup2" / "duplicates.parquet").equals(expected)
+    assert not (tmp_path / "dedup2" / "index.parquet").exists()
+    assert stats2["duplicates"] == stats["duplicates"]
+
+    # build 3 sees build 1's index: every ok row of it is already shipped or a duplicate
+    shutil.copytree(tmp_path / "raw", tmp_path / "raw3")
+    cfg = DedupConfig(index=[str(tmp_path / "dedup" / "index.parquet")])
+    stats3 = run_dedup(str(tmp_path / "raw3"), str(tmp_path / "dedup3"), cfg, RAY)
+    dropped3 = pq.read_table(tmp_path / "dedup3" / "duplicates.parquet")
+    assert stats3["kept"] == 0 and len(dropped3) == len(coco)
+    survivors = pc.is_null(dropped3["kept_source"])
+    assert not pc.any(survivors).as_py()
+
+
+def test_stage_refuses_missing_inputs(tmp_path, ray_local):
+    from pairforge.pipeline.dedup_stage import run_dedup
+
+    with pytest.raises(FileNotFoundError, match="no raw shard parquet"):
+        run_dedup(str(tmp_path / "nothing"), str(tmp_path / "d"), DedupConfig(), RAY)
+    write_raw_shards(tmp_path / "raw", [], shards=1)
+    with pytest.raises(FileNotFoundError, match="dedup index"):
+        run_dedup(str(tmp_path / "raw"), str(tmp_path / "d"),
+                  DedupConfig(index=[str(tmp_path / "missing.parquet")]), RAY)

@@ -1,0 +1,219 @@
+"""Stage 3 frame: basic filters and CLIP scores through Ray Data actor pools, resumable."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import webdataset as wds
+import yaml
+from conftest import COCO_CAPTIONS
+from PIL import Image
+
+from pairforge.config import parse_config
+from pairforge.pipeline import process as process_module
+from pairforge.pipeline.process import run_process
+from pairforge.pipeline.runner import run_download
+
+TINY_CLIP = {"embed_dim": 32,
+             "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8,
+                            "head_width": 32},
+             "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2,
+                          "layers": 2}}
+N_IMAGES = 40
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tmp_path_factory) -> dict:
+    """A tiny open_clip model (random weights) saved as a local checkpoint + model config."""
+    import open_clip
+    import torch
+
+    folder = tmp_path_factory.mktemp("clip")
+    config = folder / "pf-tiny-clip.json"
+    config.write_text(json.dumps(TINY_CLIP))
+    open_clip.add_model_config(config)
+    torch.manual_seed(0)
+    model, _, _ = open_clip.create_model_and_transforms("pf-tiny-clip")
+    checkpoint = folder / "tiny.pt"
+    torch.save(model.state_dict(), checkpoint)
+    return {"model": "pf-tiny-clip", "pretrained": str(checkpoint),
+            "model_config_path": str(config)}
+
+
+def _coco_rows() -> list[tuple[str, str]]:
+    with open(COCO_CAPTIONS, newline="") as f:
+        return [(r["filename"], r["caption"].strip()) for r in csv.DictReader(f)][:N_IMAGES]
+
+
+@pytest.fixture(scope="session")
+def coco_raw(tmp_path_factory, coco_server, ray_local) -> Path:
+    """Raw shards (stage 1 output) of 40 COCO photos, two short captions, one 404."""
+    root = tmp_path_factory.mktemp("coco_raw")
+    rows = _coco_rows()
+    lines = ["url,caption"] + [f"{coco_server.url('/img/' + n)},\"{c}\"" for n, c in rows]
+    lines[1 + 3] = f"{coco_server.url('/img/' + rows[2][0])},tiny"  # fails the word count
+    lines[1 + 9] = f"{coco_server.url('/status/404')},gone"
+    (root / "in.csv").write_text("\n".join(lines) + "\n")
+    cfg = parse_config({"input": {"path": str(root / "in.csv"), "shard_size": 10},
+                        "output": {"path": str(root / "out")},
+                        "download": {"threads": 4, "allow_addresses": ["127.0.0.1/32"],
+                                     "image": {"image_size": 64}}})
+    run_download(cfg, show_progress=False)
+    return root / "out"
+
+
+def _config(out: Path, clip: dict, **clip_overrides) -> dict:
+    return {"input": {"path": "unused"}, "output": {"path": str(out)},
+            "ray": {"num_cpus": 2}, "dedup": {"enabled": False},
+            "process": {"basic": {"min_image_side": 64},
+                        "clip": {"enabled": True, "batch_size": 8, **clip, **clip_overrides}}}
+
+
+def _fresh_out(tmp_path: Path, coco_raw: Path) -> Path:
+    out = tmp_path / "out"
+    shutil.copytree(coco_raw / "raw", out / "raw")
+    return out
+
+
+def _bare_open_clip_scores(raw: Path, clip: dict) -> dict[str, float]:
+    """What a plain open_clip loop computes for every ok raw sample."""
+    import open_clip
+    import torch
+
+    open_clip.add_model_config(clip["model_config_path"])
+    model, _, preprocess = open_clip.create_model_and_transforms(
+        clip["model"], pretrained=clip["pretrained"])
+    model.eval()
+    tokenizer = open_clip.get_tokenizer(clip["model"])
+    scores = {}
+    tars = sorted(str(p) for p in raw.glob("*.tar"))
+    for sample in wds.WebDataset(tars, shardshuffle=False):
+        image = Image.open(io.BytesIO(sample["jpg"])).convert("RGB")
+        with torch.no_grad():
+            img = model.encode_image(preprocess(image)[None])
+            txt = model.encode_text(tokenizer([sample["txt"].decode()]))
+        img = img / img.norm(dim=-1, keepdim=True)
+        txt = txt / txt.norm(dim=-1, keepdim=True)
+        scores[sample["__key__"]] = float((img * txt).sum())
+    return scores
+
+
+def _rows(out: Path) -> dict[str, dict]:
+    table = pq.read_table(sorted((out / "shards").glob("*.parquet")))
+    return {r["key"]: r for r in table.to_pylist()}
+
+
+def _tar_keys(out: Path) -> list[str]:
+    tars = sorted(str(p) for p in (out / "shards").glob("*.tar"))
+    return [s["__key__"] for s in wds.WebDataset(tars, shardshuffle=False)]
+
+
+def test_threshold_mode_scores_match_bare_open_clip(tmp_path, coco_raw, tiny_clip, ray_local):
+    bare = _bare_open_clip_scores(coco_raw / "raw", tiny_clip)
+    eligible = {k: s for k, s in bare.items() if k != "000000003"}  # 'tiny' fails basic
+    threshold = float(np.median(list(eligible.values())))
+    out = _fresh_out(tmp_path, coco_raw)
+    summary = run_process(parse_config(_config(out, tiny_clip, threshold=threshold)),
+                          show_progress=False)
+    rows = _rows(out)
+    assert len(rows) == N_IMAGES and summary["rows"] == N_IMAGES
+    assert rows["000000009"]["status"] == "http_error"
+    assert rows["000000003"]["status"] == "caption_too_short"
+    for key, score in eligible.items():
+        assert rows[key]["clip_score"] == pytest.approx(score, abs=1e-5)
+        expected = "ok" if np.float32(score) >= threshold else "low_clip_score"
+        assert rows[key]["status"] == expected, key
+    kept = sorted(k for k, r in rows.items() if r["status"] == "ok")
+    assert _tar_keys(out) == kept
+    assert len(kept) == sum(np.float32(s) >= threshold for s in eligible.values())
+    stats = json.loads((out / "shards" / "00000_stats.json").read_text())
+    assert stats["clip_model"].startswith("pf-tiny-clip/") and stats["count"] == 10
+
+
+def test_top_fraction_keeps_exactly_the_highest_scores(tmp_path, coco_raw, tiny_clip, ray_local):
+    out = _fresh_out(tmp_path, coco_raw)
+    cfg = _config(out, tiny_clip, mode="top_fraction", top_fraction=0.25, save_embeddings=True)
+    run_process(parse_config(cfg), show_progress=False)
+    rows = _rows(out)
+    scored = {k: r["clip_score"] for k, r in rows.items() if r["clip_score"] is not None}
+    assert len(scored) == N_IMAGES - 2
+    best = sorted(scored, key=lambda k: -scored[k])[:round(0.25 * len(scored))]
+    assert sorted(k for k, r in rows.items() if r["status"] == "ok") == sorted(best)
+    embeddings = np.load(out / "embeddings" / "00000.npy")
+    keys = json.loads((out / "embeddings" / "00000_keys.json").read_text())
+    assert embeddings.shape == (len(keys), TINY_CLIP["embed_dim"])
+    assert np.allclose(np.linalg.norm(embeddings, axis=1), 1, atol=1e-4)
+
+
+def test_two_model_pools_do_not_hang_two_cores(tmp_path, coco_raw, tiny_clip, ray_local,
+                                              monkeypatch):
+    """Two CLIP pools of two actors each on a 2-CPU Ray: fractional CPUs keep it moving."""
+    from pairforge.filters.basic import BasicFilterStep
+    from pairforge.filters.clip import ClipStep
+
+    class SecondClipStep(ClipStep):
+        name = "clip2"
+
+    monkeypatch.setattr(process_module, "enabled_steps",
+                        lambda cfg: [BasicFilterStep, ClipStep, SecondClipStep])
+    out = _fresh_out(tmp_path, coco_raw)
+    cfg = parse_config(_config(out, tiny_clip, pool_size=2, mode="score_only"))
+    summary = run_process(cfg, show_progress=False)
+    assert summary["status"] == {"ok": N_IMAGES - 2, "http_error": 1, "caption_too_short": 1}
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_gives_same_output(tmp_path, coco_raw, tiny_clip):
+    def cli(out: Path) -> subprocess.Popen:
+        cfg_path = tmp_path / f"{out.name}.yaml"
+        cfg = _config(out, tiny_clip, mode="threshold", threshold=-1.0)
+        cfg["process"]["clip"]["batch_size"] = 2
+        cfg_path.write_text(yaml.safe_dump(cfg))
+        return subprocess.Popen([sys.executable, "-m", "pairforge.cli", "process",
+                                 str(cfg_path), "-q"], start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    killed = _fresh_out(tmp_path / "k", coco_raw)
+    proc = cli(killed)
+    deadline = time.monotonic() + 180
+    while not list((killed / "shards").glob("*_stats.json")):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(list((killed / "shards").glob("*_stats.json"))) < 4
+    assert cli(killed).wait() == 0
+    whole = _fresh_out(tmp_path / "w", coco_raw)
+    assert cli(whole).wait() == 0
+    assert _rows(killed) == _rows(whole)
+    assert _tar_keys(killed) == _tar_keys(whole)
+    assert not [p for p in (killed / "shards").iterdir() if ".tmp-" in p.name]
+
+
+def test_actor_cpus_leave_room_for_tasks():
+    from pairforge.filters.basic import BasicFilterStep
+    from pairforge.filters.clip import ClipStep
+    from pairforge.pipeline.steps import TASK_CPU_RESERVE, fit_actor_cpus
+
+    class Other(ClipStep):
+        name = "other"
+
+    cfg = parse_config({"input": {"path": "x"},
+                        "process": {"clip": {"pool_size": 2, "num_cpus": 1.0}}})
+    cpus = fit_actor_cpus([BasicFilterStep, ClipStep, Other], cfg, cluster_cpus=2)
+    assert set(cpus) == {"clip", "other"}
+    assert 2 * cpus["clip"] + 2 * cpus["other"] == pytest.approx(2 - TASK_CPU_RESERVE)
+    assert fit_actor_cpus([ClipStep], cfg, cluster_cpus=64) == {"clip": 1.0}
