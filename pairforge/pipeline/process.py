@@ -46,6 +46,8 @@ from pairforge.shards.training import (
 DEDUP_FOLDER = "dedup"
 SCORES_FOLDER = "clip"
 # What the steps see of a raw row; the writer gets the rest back from the raw parquet.
+# Step outputs written to their own per-shard files rather than the parquet.
+PER_SHARD_FILES = {"clip_embedding"}
 STEP_INPUT_COLUMNS = ["key", "caption", "status", "error", "image_format", "width", "height",
                       "original_width", "original_height"]
 SAMPLE_FIELDS = ["key", "url", "caption", "width", "height", "original_width",
@@ -132,17 +134,26 @@ def load_rows(batch: pa.Table, out_url: str, storage_options: dict,
     return pa.concat_tables(tables, promote_options="permissive")
 
 
+def output_fields(steps: list[type[Step]]) -> list[pa.Field]:
+    """Columns stage 3 adds to the raw record, the same in every shard."""
+    fields = [pa.field("duplicate_of", pa.string())]
+    for step in steps:
+        fields += [pa.field(n, t) for n, t in step.provides.items() if n not in PER_SHARD_FILES]
+    return fields
+
+
 def _write_task(out_url: str, storage_options: dict, plan: ShardPlan, results: pa.Table,
-                stats_extra: dict[str, Any]) -> dict[str, Any]:
+                stats_extra: dict[str, Any], fields: list[pa.Field]) -> dict[str, Any]:
     out = OutputDir(out_url, storage_options)
     raw = _read_raw(out, plan.shard_id)
     rows = final_rows(raw, plan.duplicates, results)
-    return write_training_shard(out, plan.shard_id, rows, raw.schema, SAMPLE_FIELDS,
-                                stats_extra)
+    schema = pa.schema([*raw.schema, *fields])
+    return write_training_shard(out, plan.shard_id, rows, schema, SAMPLE_FIELDS, stats_extra)
 
 
 def _write_scores_task(out_url: str, storage_options: dict, plan: ShardPlan,
-                       results: pa.Table, stats_extra: dict[str, Any]) -> dict[str, Any]:
+                       results: pa.Table, stats_extra: dict[str, Any],
+                       fields: list[pa.Field]) -> dict[str, Any]:
     out = OutputDir(out_url, storage_options)
     out.makedirs(SCORES_FOLDER)
     table = results.select(["key", "status", "clip_score"])
@@ -173,7 +184,7 @@ def _stream(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan], steps:
         results = (pa.concat_tables(parts, promote_options="permissive") if parts
                    else pa.table({"key": pa.array([], pa.string())}))
         writes.append(write.remote(out.url, cfg.output.storage_options, by_id[shard_id],
-                                   results, stats_extra))
+                                   results, stats_extra, output_fields(steps)))
 
     for plan in plans:
         if plan.to_process == 0:

@@ -67,15 +67,6 @@ def _sample_json(row: dict[str, Any], fields: list[str]) -> dict[str, Any]:
     return {f: row.get(f) for f in fields}
 
 
-def rows_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
-    """Rows as a table: known columns keep their schema type (phash is uint64), others
-    are inferred."""
-    names = list(dict.fromkeys([*schema.names, *(k for r in rows for k in r)]))
-    return pa.table({name: pa.array([r.get(name) for r in rows],
-                                    schema.field(name).type if name in schema.names else None)
-                     for name in names})
-
-
 def write_training_shard(out: OutputDir, shard_id: int, rows: list[dict[str, Any]],
                          schema: pa.Schema, meta_fields: list[str],
                          stats_extra: dict[str, Any]) -> dict[str, Any]:
@@ -93,7 +84,8 @@ def write_training_shard(out: OutputDir, shard_id: int, rows: list[dict[str, Any
         writer.close()
     embeddings = [r.pop("clip_embedding", None) for r in rows]
     write_embeddings(out, shard_id, [r["key"] for r in rows], embeddings)
-    table = rows_table(rows, schema)
+    # One schema for every shard, so readers can open them all as one dataset.
+    table = pa.Table.from_pylist(rows, schema=schema)
     with out.open_atomic(SHARDS_FOLDER, f"{name}.parquet") as f:
         pq.write_table(table, f)
     counts = Counter(r["status"] for r in rows)
