@@ -12,6 +12,7 @@ from pairforge.shards.tasks import (
     IMG,
     T2I,
     assign_tasks,
+    i2t_rate,
     share_report,
     start_offset,
 )
@@ -63,6 +64,13 @@ def test_img_samples_count_as_unconditional(case, img_rate):
     # img tokens fill the unconditional budget first; i2t tops it up to the target
     expected = max(p_drop, img_share)
     assert report.realized == pytest.approx(expected, abs=max(tokens) / sum(tokens) + 1e-9)
+    # and among captioned samples the i2t share is smooth at every prefix
+    cap_tokens = [t for t, c in zip(tokens, captioned, strict=True) if c]
+    cap_labels = [lab for lab, c in zip(labels, captioned, strict=True) if c]
+    if cap_tokens:
+        rate = i2t_rate(np.asarray(tokens), np.asarray(captioned), p_drop)
+        inner = share_report(cap_tokens, cap_labels, rate)
+        assert inner.max_prefix_deviation <= max(cap_tokens) + 1e-6
 
 
 def test_interleaved_not_staged():

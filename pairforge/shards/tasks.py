@@ -5,14 +5,19 @@ its image tokens with no caption before the image. The budget-preserving recipe 
 that share on image-first ``i2t`` examples instead, so the share is counted in image
 tokens, not examples, and i2t must be mixed through every shard, not staged.
 
-The rule: walk a shard in key order keeping the running deficit
-``D = p_drop * T - U`` (T all image tokens so far, U the unconditional ones: i2t and img).
-A captioned sample of ``n`` tokens becomes i2t when taking it brings U closer to the
-target, i.e. when ``D + p_drop * n >= n / 2``. Each step moves ``|D|`` to at most ``n / 2``,
-so at every prefix the share is within half an image's tokens of the target (one image's
-tokens once the seeded start offset is added). Samples with no trustworthy caption are
-``img`` and always unconditional. The rule depends only on the shard's own rows and a
-seed, so any number of workers gives the same labels.
+Samples with no trustworthy caption are ``img`` and always unconditional, so the i2t
+share of the captioned tokens is ``r = (p_drop * T - IMG) / C`` over the shard (T all
+image tokens, IMG those of img samples, C those of captioned ones; clipped to [0, 1]):
+then i2t + img tokens are ``p_drop`` of the shard's image tokens. The writer has the whole
+shard, so it knows T, IMG and C before labelling.
+
+The rule: walk the captioned samples in key order keeping the running deficit
+``D = r * C_k - I_k`` (C_k captioned tokens so far, I_k the i2t ones). A sample of ``n``
+tokens becomes i2t when taking it brings I_k closer to the target, i.e. when
+``D + r * n >= n / 2``. Each step leaves ``|D| <= n / 2``, so at every prefix the i2t share
+is within half an image's tokens of the target (one image's tokens with the seeded start
+offset, which keeps shards from all starting alike). The rule depends only on the shard's
+own rows and a seed, so any number of workers gives the same labels.
 """
 
 from __future__ import annotations
@@ -32,21 +37,33 @@ def start_offset(seed: int, shard_id: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64 - 0.5
 
 
+def i2t_rate(image_tokens: np.ndarray, has_caption: np.ndarray, p_drop: float) -> float:
+    """The i2t share of captioned tokens that makes i2t + img tokens ``p_drop`` of all."""
+    captioned = float(image_tokens[has_caption].sum())
+    if not captioned:
+        return 0.0
+    uncaptioned = float(image_tokens[~has_caption].sum())
+    wanted = p_drop * float(image_tokens.sum()) - uncaptioned
+    return min(max(wanted / captioned, 0.0), 1.0)
+
+
 def assign_tasks(image_tokens: list[int] | np.ndarray, has_caption: list[bool] | np.ndarray,
                  p_drop: float, offset: float = 0.0) -> list[str]:
     """Labels for one shard's samples, in order (see the module docstring)."""
     if not 0.0 <= p_drop <= 1.0:
         raise ValueError(f"p_drop must be in [0, 1], got {p_drop}")
     tokens = np.asarray(image_tokens, dtype=np.int64)
-    deficit = offset * float(tokens[0]) * min(p_drop, 1 - p_drop) * 2 if len(tokens) else 0.0
+    captioned = np.asarray(has_caption, dtype=bool)
+    rate = i2t_rate(tokens, captioned, p_drop)
+    first = float(tokens[captioned][0]) if captioned.any() else 0.0
+    deficit = offset * first * min(rate, 1 - rate) * 2
     labels = []
-    for n, captioned in zip(tokens.tolist(), np.asarray(has_caption, bool).tolist(),
-                            strict=True):
-        deficit += p_drop * n
-        if not captioned:
+    for n, has in zip(tokens.tolist(), captioned.tolist(), strict=True):
+        if not has:
             labels.append(IMG)
-            deficit -= n
-        elif deficit >= n / 2:
+            continue
+        deficit += rate * n
+        if deficit >= n / 2:
             labels.append(I2T)
             deficit -= n
         else:
