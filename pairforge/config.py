@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class Strict(BaseModel):
@@ -147,9 +154,47 @@ class ClipConfig(ModelPoolConfig):
     save_embeddings: bool = Field(False, description="write image embeddings per shard")
 
 
+class ImageTokenizerConfig(Strict):
+    """A VQ image tokenizer (pairforge/tokenizers/registry.py loads it)."""
+
+    backend: Literal["pairforge-vq", "emu3", "janus", "chameleon"] = "pairforge-vq"
+    path_or_id: str = Field(description="hub id or local folder (train-vq output for ours)")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    resolution: int | None = Field(None, gt=0, description="transformers backends: input size")
+    revision: str | None = None
+
+
+class TextTokenizerConfig(Strict):
+    backend: Literal["hf", "bytes"] = Field("bytes", description="bytes: no files needed")
+    path_or_id: str | None = Field(None, description="hub id or local folder (train-text)")
+    revision: str | None = None
+
+
+class TokenizeConfig(ModelPoolConfig):
+    enabled: bool = False
+    batch_size: int = Field(16, gt=0, description="images per encode call")
+    image: ImageTokenizerConfig | None = None
+    text: TextTokenizerConfig = Field(default_factory=TextTokenizerConfig)
+
+    @model_validator(mode="after")
+    def _image_given(self) -> TokenizeConfig:
+        if self.enabled and self.image is None:
+            raise ValueError("tokenize.enabled needs tokenize.image (backend, path_or_id)")
+        return self
+
+
+class TasksConfig(Strict):
+    """t2i/i2t labels (DESIGN.md section 5)."""
+
+    p_drop: float = Field(0.1, ge=0, le=1, description="caption-drop rate the i2t share replaces")
+    seed: int = Field(0, description="seeds each shard's start offset")
+
+
 class ProcessConfig(Strict):
     basic: BasicFilterConfig = Field(default_factory=BasicFilterConfig)
     clip: ClipConfig = Field(default_factory=ClipConfig)
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
 
 
 class PairforgeConfig(Strict):

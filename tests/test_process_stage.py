@@ -217,3 +217,55 @@ def test_actor_cpus_leave_room_for_tasks():
     assert set(cpus) == {"clip", "other"}
     assert 2 * cpus["clip"] + 2 * cpus["other"] == pytest.approx(2 - TASK_CPU_RESERVE)
     assert fit_actor_cpus([ClipStep], cfg, cluster_cpus=64) == {"clip": 1.0}
+
+
+@pytest.fixture(scope="session")
+def tiny_vq(tmp_path_factory) -> str:
+    """Our VQ-VAE at 32 px, random weights, saved the way train-vq saves it."""
+    import torch
+
+    from pairforge.tokenizers import vqvae
+
+    torch.manual_seed(0)
+    model = vqvae.VQVAE(vqvae.VQVAEConfig(resolution=32, channels=[16, 32], codebook_size=64,
+                                          embed_dim=8))
+    return str(vqvae.save(model, tmp_path_factory.mktemp("vq") / "ckpt"))
+
+
+def test_tokenize_step_writes_codes_tokens_and_tasks(tmp_path, coco_raw, tiny_vq, ray_local):
+    from pairforge.tokenizers.registry import load_image_tokenizer
+    from pairforge.tokenizers.text import ByteTokenizer
+
+    out = _fresh_out(tmp_path, coco_raw)
+    cfg = _config(out, {}, enabled=False)
+    cfg["process"]["tokenize"] = {"enabled": True, "batch_size": 8,
+                                  "image": {"backend": "pairforge-vq", "path_or_id": tiny_vq}}
+    cfg["process"]["tasks"] = {"p_drop": 0.25, "seed": 1}
+    run_process(parse_config(cfg), show_progress=False)
+
+    tokenizer = load_image_tokenizer({"backend": "pairforge-vq", "path_or_id": tiny_vq})
+    tars = sorted(str(p) for p in (out / "shards").glob("*.tar"))
+    samples = list(wds.WebDataset(tars, shardshuffle=False).decode())
+    assert len(samples) == N_IMAGES - 2
+    bare = tokenizer.encode([Image.open(io.BytesIO(raw["jpg"])).convert("RGB") for raw in
+                             wds.WebDataset(sorted(str(p) for p in (coco_raw / "raw").glob(
+                                 "*.tar")), shardshuffle=False) if raw["__key__"] != "000000003"])
+    for sample, codes in zip(samples, bare, strict=True):
+        meta = sample["json"]
+        assert set(sample) >= {"jpg", "txt", "json", "vq.npy", "tok.npy"}
+        assert sample["vq.npy"].dtype == np.int32 and sample["vq.npy"].shape == (8, 8)
+        assert np.array_equal(sample["vq.npy"], codes)  # what the bare tokenizer gives
+        assert sample["tok.npy"].tolist() == ByteTokenizer().encode(sample["txt"])
+        assert meta["n_image_tokens"] == 64 and meta["token_grid"] == [8, 8]
+        assert meta["n_caption_tokens"] == len(sample["tok.npy"])
+        assert meta["task"] in {"t2i", "i2t"}
+    stats = [json.loads(p.read_text()) for p in sorted((out / "shards").glob("*_stats.json"))]
+    for shard in stats:
+        tasks = shard["tasks"]
+        total = sum(t["image_tokens"] for t in tasks.values())
+        assert abs(tasks.get("i2t", {}).get("image_tokens", 0) - 0.25 * total) <= 64
+        assert shard["budget"]["max_prefix_deviation"] <= 64
+        assert all(t["sequence_tokens"] == t["image_tokens"] + t["caption_tokens"]
+                   + 4 * t["samples"] for t in tasks.values())
+    i2t = sum(s["json"]["task"] == "i2t" for s in samples)
+    assert sum(s["tasks"].get("i2t", {}).get("samples", 0) for s in stats) == i2t

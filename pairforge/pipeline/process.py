@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pairforge.config import PairforgeConfig
+from pairforge.config import PairforgeConfig, TasksConfig
 from pairforge.filters.basic import BasicFilterStep
 from pairforge.filters.clip import ClipStep
 from pairforge.pipeline.progress import StageDisplay
@@ -42,6 +42,7 @@ from pairforge.shards.training import (
     write_embeddings,
     write_training_shard,
 )
+from pairforge.tokenizers.step import TokenizeStep
 
 DEDUP_FOLDER = "dedup"
 SCORES_FOLDER = "clip"
@@ -53,6 +54,7 @@ STEP_INPUT_COLUMNS = ["key", "caption", "status", "error", "image_format", "widt
 SAMPLE_FIELDS = ["key", "url", "caption", "width", "height", "original_width",
                  "original_height", "image_format", "sha256", "pixel_hash", "phash",
                  "clip_score"]
+TOKEN_FIELDS = ["task", "n_image_tokens", "token_grid", "n_caption_tokens"]
 
 
 def enabled_steps(cfg: PairforgeConfig) -> list[type[Step]]:
@@ -60,6 +62,7 @@ def enabled_steps(cfg: PairforgeConfig) -> list[type[Step]]:
     chain: list[tuple[bool, type[Step]]] = [
         (cfg.process.basic.enabled, BasicFilterStep),
         (cfg.process.clip.enabled, ClipStep),
+        (cfg.process.tokenize.enabled, TokenizeStep),
     ]
     return [step for enabled, step in chain if enabled]
 
@@ -139,21 +142,26 @@ def output_fields(steps: list[type[Step]]) -> list[pa.Field]:
     fields = [pa.field("duplicate_of", pa.string())]
     for step in steps:
         fields += [pa.field(n, t) for n, t in step.provides.items() if n not in PER_SHARD_FILES]
+    if any("n_image_tokens" in step.provides for step in steps):
+        fields.append(pa.field("task", pa.string()))
     return fields
 
 
 def _write_task(out_url: str, storage_options: dict, plan: ShardPlan, results: pa.Table,
-                stats_extra: dict[str, Any], fields: list[pa.Field]) -> dict[str, Any]:
+                stats_extra: dict[str, Any], fields: list[pa.Field],
+                tasks: TasksConfig) -> dict[str, Any]:
     out = OutputDir(out_url, storage_options)
     raw = _read_raw(out, plan.shard_id)
     rows = final_rows(raw, plan.duplicates, results)
     schema = pa.schema([*raw.schema, *fields])
-    return write_training_shard(out, plan.shard_id, rows, schema, SAMPLE_FIELDS, stats_extra)
+    meta = SAMPLE_FIELDS + (TOKEN_FIELDS if "n_image_tokens" in schema.names else [])
+    return write_training_shard(out, plan.shard_id, rows, schema, meta, stats_extra,
+                                tasks)
 
 
 def _write_scores_task(out_url: str, storage_options: dict, plan: ShardPlan,
                        results: pa.Table, stats_extra: dict[str, Any],
-                       fields: list[pa.Field]) -> dict[str, Any]:
+                       fields: list[pa.Field], tasks: TasksConfig) -> dict[str, Any]:
     out = OutputDir(out_url, storage_options)
     out.makedirs(SCORES_FOLDER)
     table = results.select(["key", "status", "clip_score"])
@@ -184,7 +192,8 @@ def _stream(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan], steps:
         results = (pa.concat_tables(parts, promote_options="permissive") if parts
                    else pa.table({"key": pa.array([], pa.string())}))
         writes.append(write.remote(out.url, cfg.output.storage_options, by_id[shard_id],
-                                   results, stats_extra, output_fields(steps)))
+                                   results, stats_extra, output_fields(steps),
+                                   cfg.process.tasks))
 
     for plan in plans:
         if plan.to_process == 0:

@@ -18,14 +18,17 @@ import pyarrow.parquet as pq
 import webdataset as wds
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
+from pairforge.config import TasksConfig
 from pairforge.records import Status
 from pairforge.shards.raw import shard_name, stats_name
 from pairforge.shards.storage import OutputDir
+from pairforge.shards.tasks import IMG, assign_tasks, share_report, start_offset
 
 RAW_FOLDER = "raw"
 SHARDS_FOLDER = "shards"
 EMBEDDINGS_FOLDER = "embeddings"
 IMAGE_EXTENSIONS = ("jpg", "webp", "png")
+SPECIALS_PER_SEQUENCE = 4  # leading EOS, SOV, EOV, final EOS
 
 
 def read_raw_images(out: OutputDir, shard_id: int, keys: set[str]) -> dict[str, tuple[str, bytes]]:
@@ -67,20 +70,67 @@ def _sample_json(row: dict[str, Any], fields: list[str]) -> dict[str, Any]:
     return {f: row.get(f) for f in fields}
 
 
+def _npy(values: list[int], shape: list[int] | None = None) -> bytes:
+    buffer = io.BytesIO()
+    array = np.asarray(values, dtype=np.int32)
+    np.save(buffer, array.reshape(shape) if shape else array)
+    return buffer.getvalue()
+
+
+def _sample(row: dict[str, Any], image: tuple[str, bytes], fields: list[str]) -> dict[str, Any]:
+    ext, data = image
+    sample = {"__key__": row["key"], ext: data, "txt": row.get("caption") or "",
+              "json": _sample_json(row, fields)}
+    if row.get("image_tokens") is not None:
+        sample["vq.npy"] = _npy(row["image_tokens"], row["token_grid"])
+        sample["tok.npy"] = _npy(row["caption_tokens"] or [])
+    return sample
+
+
+def label_tasks(ok: list[dict[str, Any]], shard_id: int, tasks: TasksConfig) -> dict[str, Any]:
+    """Set ``task`` on the ok rows (when they have image tokens); return the budget stats."""
+    if not ok or ok[0].get("n_image_tokens") is None:
+        return {}
+    tokens = [r["n_image_tokens"] for r in ok]
+    captioned = [bool(r.get("caption_tokens")) for r in ok]
+    labels = assign_tasks(tokens, captioned, tasks.p_drop, start_offset(tasks.seed, shard_id))
+    for row, label in zip(ok, labels, strict=True):
+        row["task"] = label
+    report = share_report(tokens, labels, tasks.p_drop)
+    return {"budget": {"p_drop": tasks.p_drop, "realized": report.realized,
+                       "max_prefix_deviation": report.max_prefix_deviation,
+                       "max_image_tokens": report.max_image_tokens},
+            "tasks": task_totals(ok)}
+
+
+def task_totals(ok: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Samples, image, caption and sequence tokens per task. A sequence is [EOS] + payload
+    with SOV, EOV and a final EOS (DESIGN.md section 5): 4 specials each."""
+    totals: dict[str, dict[str, int]] = {}
+    for row in ok:
+        t = totals.setdefault(row["task"], {"samples": 0, "image_tokens": 0,
+                                            "caption_tokens": 0, "sequence_tokens": 0})
+        caption = row["n_caption_tokens"] if row["task"] != IMG else 0
+        t["samples"] += 1
+        t["image_tokens"] += row["n_image_tokens"]
+        t["caption_tokens"] += caption
+        t["sequence_tokens"] += row["n_image_tokens"] + caption + SPECIALS_PER_SEQUENCE
+    return dict(sorted(totals.items()))
+
+
 def write_training_shard(out: OutputDir, shard_id: int, rows: list[dict[str, Any]],
                          schema: pa.Schema, meta_fields: list[str],
-                         stats_extra: dict[str, Any]) -> dict[str, Any]:
+                         stats_extra: dict[str, Any], tasks: TasksConfig) -> dict[str, Any]:
     """Tar of the ok samples, parquet of every row, then the stats file (last)."""
     out.makedirs(SHARDS_FOLDER)
     ok = [r for r in rows if r["status"] == Status.OK]
+    budget = label_tasks(ok, shard_id, tasks)
     images = read_raw_images(out, shard_id, {r["key"] for r in ok})
     name = shard_name(shard_id)
     with out.open_atomic(SHARDS_FOLDER, f"{name}.tar") as f:
         writer = wds.TarWriter(f)
         for row in ok:
-            ext, data = images[row["key"]]
-            writer.write({"__key__": row["key"], ext: data, "txt": row.get("caption") or "",
-                          "json": _sample_json(row, meta_fields)})
+            writer.write(_sample(row, images[row["key"]], meta_fields))
         writer.close()
     embeddings = [r.pop("clip_embedding", None) for r in rows]
     write_embeddings(out, shard_id, [r["key"] for r in rows], embeddings)
@@ -89,8 +139,8 @@ def write_training_shard(out: OutputDir, shard_id: int, rows: list[dict[str, Any
     with out.open_atomic(SHARDS_FOLDER, f"{name}.parquet") as f:
         pq.write_table(table, f)
     counts = Counter(r["status"] for r in rows)
-    stats = {**stats_extra, "shard": shard_id, "count": len(rows), "successes": len(ok),
-             "status": dict(sorted(counts.items()))}
+    stats = {**stats_extra, **budget, "shard": shard_id, "count": len(rows),
+             "successes": len(ok), "status": dict(sorted(counts.items()))}
     out.write_json(stats, SHARDS_FOLDER, stats_name(shard_id))
     return stats
 

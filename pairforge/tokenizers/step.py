@@ -1,0 +1,48 @@
+"""The tokenize step of stage 3: VQ image codes and caption tokens for every ok row.
+
+Each actor loads the image and text tokenizers once (pairforge/tokenizers/registry.py);
+the writer turns the columns into ``KEY.vq.npy`` (codes shaped by ``token_grid``) and
+``KEY.tok.npy`` (caption ids), and the counts go into each sample's json.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from pairforge.config import ModelPoolConfig, PairforgeConfig
+from pairforge.filters.clip import decode_rgb, model_device
+from pairforge.pipeline.steps import ModelStep, StepResult
+
+
+class TokenizeStep(ModelStep):
+    name = "tokenize"
+    requires = ("image", "caption")
+    provides = {"image_tokens": pa.list_(pa.int32()), "token_grid": pa.list_(pa.int32()),
+                "n_image_tokens": pa.int32(), "caption_tokens": pa.list_(pa.int32()),
+                "n_caption_tokens": pa.int32()}
+
+    @classmethod
+    def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
+        return cfg.process.tokenize
+
+    def __init__(self, cfg: PairforgeConfig) -> None:
+        from pairforge.tokenizers.registry import load_image_tokenizer, load_text_tokenizer
+
+        super().__init__(cfg)
+        tok = cfg.process.tokenize
+        self.image_tokenizer = load_image_tokenizer({
+            **tok.image.model_dump(), "device": model_device(tok), "batch_size": tok.batch_size})
+        self.text_tokenizer = load_text_tokenizer(tok.text.model_dump())
+
+    def process(self, rows: pa.Table) -> StepResult:
+        images = [decode_rgb(b) for b in rows["image"].to_pylist()]
+        grids = self.image_tokenizer.encode(images)
+        captions = [self.text_tokenizer.encode(c) if c else [] for c in
+                    rows["caption"].to_pylist()]
+        return StepResult(columns={
+            "image_tokens": [g.reshape(-1).tolist() for g in grids],
+            "token_grid": [list(g.shape) for g in grids],
+            "n_image_tokens": [int(g.size) for g in grids],
+            "caption_tokens": captions,
+            "n_caption_tokens": [len(c) for c in captions],
+        })
