@@ -269,3 +269,31 @@ def test_tokenize_step_writes_codes_tokens_and_tasks(tmp_path, coco_raw, tiny_vq
                    + 4 * t["samples"] for t in tasks.values())
     i2t = sum(s["json"]["task"] == "i2t" for s in samples)
     assert sum(s["tasks"].get("i2t", {}).get("samples", 0) for s in stats) == i2t
+
+
+def test_manifest_sizes_and_wids_index(tmp_path, coco_raw, tiny_vq, ray_local):
+    import wids
+
+    from pairforge.tokenizers.vocab import VocabLayout
+
+    out = _fresh_out(tmp_path, coco_raw)
+    cfg = _config(out, {}, enabled=False)
+    cfg["process"]["tokenize"] = {"enabled": True, "image": {"path_or_id": tiny_vq}}
+    cfg["process"]["tasks"] = {"p_drop": 0.5}
+    run_process(parse_config(cfg), show_progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    layout = VocabLayout.from_manifest(manifest["vocab"])
+    assert (layout.text_vocab_size, layout.image_codebook_size) == (256, 64)
+    assert manifest["vocab"]["sov"] == 320 and manifest["vocab"]["pad"] == 323
+    tasks = manifest["totals"]["tasks"]
+    assert sum(t["samples"] for t in tasks.values()) == N_IMAGES - 2
+    assert sum(t["image_tokens"] for t in tasks.values()) == 64 * (N_IMAGES - 2)
+    assert abs(manifest["budget"]["realized_unconditional_share"] - 0.5) <= 4 * 64 / (64 * 38)
+    assert manifest["funnel"]["input_rows"] == N_IMAGES
+    assert manifest["funnel"]["final"] == {"ok": 38, "http_error": 1, "caption_too_short": 1}
+    sizes = json.loads((out / "sizes.json").read_text())
+    assert sizes == json.loads((out / "shards" / "sizes.json").read_text())
+    assert sum(sizes.values()) == N_IMAGES - 2
+    dataset = wids.ShardListDataset(str(out / "index.wids.json"))
+    assert len(dataset) == N_IMAGES - 2
+    assert dataset[0]["__key__"] == "000000000"

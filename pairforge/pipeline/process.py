@@ -33,6 +33,7 @@ from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.pipeline.steps import Step, add_step, fit_actor_cpus
 from pairforge.records import Status
 from pairforge.shards.raw import completed_shards, shard_name
+from pairforge.shards.manifest import build_manifest, write_dataset_files
 from pairforge.shards.storage import OutputDir
 from pairforge.shards.training import (
     RAW_FOLDER,
@@ -237,6 +238,19 @@ def _score_threshold(out: OutputDir, cfg: PairforgeConfig) -> float:
     return float(np.sort(values)[::-1][k - 1])
 
 
+def vocab_layout(cfg: PairforgeConfig) -> dict[str, Any] | None:
+    """The vocabulary of the tokenize step (DESIGN.md section 6), for the manifest."""
+    tok = cfg.process.tokenize
+    if not tok.enabled:
+        return None
+    from pairforge.tokenizers.registry import load_image_tokenizer, load_text_tokenizer
+    from pairforge.tokenizers.vocab import VocabLayout
+
+    image = load_image_tokenizer({**tok.image.model_dump(), "device": "cpu"})
+    text = load_text_tokenizer(tok.text.model_dump())
+    return VocabLayout.from_tokenizers(text, image).to_manifest()
+
+
 def run_process(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, Any]:
     """Stage 3 over every complete raw shard that has no complete output shard yet."""
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
@@ -274,6 +288,7 @@ def run_process(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, A
     seconds = time.time() - started
     from pairforge.pipeline.runner import summarise
 
+    write_dataset_files(out, build_manifest(out, cfg, vocab_layout(cfg)))
     summary = summarise(out, SHARDS_FOLDER, all_ids)
     return {**summary, "shards_skipped": len(all_ids) - len(plans), "seconds": round(seconds, 2),
             "rows_per_s": round(rows / seconds, 1) if rows else None, **stats_extra}

@@ -1,0 +1,96 @@
+"""Dataset-level files: manifest.json (the token budget), sizes.json, index.wids.json.
+
+Everything here is derived from the complete shards' stats files, so the manifest always
+describes exactly the shards on disk, however many runs and workers made them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+from collections import Counter
+from typing import Any
+
+from pairforge.config import PairforgeConfig
+from pairforge.shards.raw import shard_name, stats_name
+from pairforge.shards.storage import OutputDir
+from pairforge.shards.training import RAW_FOLDER, SHARDS_FOLDER
+
+MANIFEST_VERSION = 1
+VERSIONED = ("pairforge", "torch", "open_clip_torch", "transformers", "ray", "webdataset",
+             "pillow", "pyarrow")
+
+
+def _versions() -> dict[str, str | None]:
+    found = {}
+    for name in VERSIONED:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _sum_tasks(shards: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    totals: dict[str, Counter] = {}
+    for shard in shards:
+        for task, counts in shard.get("tasks", {}).items():
+            totals.setdefault(task, Counter()).update(counts)
+    return {task: dict(c) for task, c in sorted(totals.items())}
+
+
+def _funnel(out: OutputDir, shard_ids: list[int], shards: list[dict[str, Any]]) -> dict:
+    download: Counter = Counter()
+    for shard_id in shard_ids:
+        download.update(out.read_json(RAW_FOLDER, stats_name(shard_id))["status"])
+    final: Counter = Counter()
+    for shard in shards:
+        final.update(shard["status"])
+    return {"input_rows": sum(download.values()), "download": dict(download),
+            "final": dict(final)}
+
+
+def build_manifest(out: OutputDir, cfg: PairforgeConfig,
+                   vocab: dict[str, Any] | None) -> dict[str, Any]:
+    ids = sorted(int(n.split("_")[0]) for n in out.glob(f"{SHARDS_FOLDER}/*_stats.json"))
+    shards = [out.read_json(SHARDS_FOLDER, stats_name(i)) for i in ids]
+    tasks = _sum_tasks(shards)
+    image_total = sum(t["image_tokens"] for t in tasks.values())
+    unconditional = sum(tasks.get(t, {}).get("image_tokens", 0) for t in ("i2t", "img"))
+    budgets = [s["budget"] for s in shards if "budget" in s]
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": _versions(),
+        "config": cfg.model_dump(mode="json"),
+        "vocab": vocab,
+        "models": {"clip": shards[0].get("clip_model") if shards else None,
+                   "clip_threshold": shards[0].get("clip_threshold") if shards else None},
+        "budget": {
+            "p_drop": cfg.process.tasks.p_drop,
+            "target_unconditional_share": cfg.process.tasks.p_drop,
+            "realized_unconditional_share": unconditional / image_total if image_total else None,
+            "realized_i2t_share": (tasks.get("i2t", {}).get("image_tokens", 0) / image_total
+                                   if image_total else None),
+            "max_prefix_deviation_tokens": max((b["max_prefix_deviation"] for b in budgets),
+                                               default=None),
+        },
+        "totals": {"samples": sum(s["successes"] for s in shards), "tasks": tasks},
+        "shards": [{"name": f"{shard_name(s['shard'])}.tar", "samples": s["successes"],
+                    "rows": s["count"], "tasks": s.get("tasks", {}), "budget": s.get("budget"),
+                    "status": s["status"]} for s in shards],
+        "funnel": _funnel(out, ids, shards),
+    }
+
+
+def write_dataset_files(out: OutputDir, manifest: dict[str, Any]) -> None:
+    """manifest.json, sizes.json (open_clip_train reads it next to the tars, so a copy goes
+    into shards/ too) and index.wids.json (wids' shard index, paths relative to OUT)."""
+    sizes = {s["name"]: s["samples"] for s in manifest["shards"]}
+    out.write_json(sizes, "sizes.json")
+    out.write_json(sizes, SHARDS_FOLDER, "sizes.json")
+    out.write_json({"__kind__": "wids-shard-index-v1", "wids_version": 1,
+                    "name": "pairforge", "shardlist": [
+                        {"url": f"{SHARDS_FOLDER}/{s['name']}", "nsamples": s["samples"]}
+                        for s in manifest["shards"]]}, "index.wids.json")
+    out.write_json(manifest, "manifest.json")
