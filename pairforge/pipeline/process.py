@@ -32,8 +32,8 @@ from pairforge.pipeline.progress import StageDisplay
 from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.pipeline.steps import Step, add_step, fit_actor_cpus
 from pairforge.records import Status
-from pairforge.shards.raw import completed_shards, shard_name
 from pairforge.shards.manifest import build_manifest, write_dataset_files
+from pairforge.shards.raw import completed_shards, shard_name
 from pairforge.shards.storage import OutputDir
 from pairforge.shards.training import (
     RAW_FOLDER,
