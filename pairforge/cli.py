@@ -9,9 +9,11 @@ import typer
 
 from pairforge.config import ConfigError, PairforgeConfig, load_config
 from pairforge.pipeline.progress import console, status_table
+from pairforge.tokenizers.cli import app as tokenizers_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
                   help="Build image-text pretraining shards for unified autoregressive models.")
+app.add_typer(tokenizers_app, name="tokenizers")
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML config file", exists=False)]
 SetOpt = Annotated[list[str] | None, typer.Option(
@@ -93,6 +95,21 @@ def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> No
     _print_dedup(_run_guarded(run_dedup_stage, cfg))
     _print_stage("process", _run_guarded(run_process, cfg, not quiet))
     console.print(f"training shards: [b]{cfg.output.path}/shards/[/b]")
+
+
+@app.command()
+def verify(path: Annotated[str, typer.Argument(help="dataset folder (OUT) or fsspec URL")]
+           ) -> None:
+    """Re-read every tar and check it against manifest.json; exit 1 on any problem."""
+    from pairforge.shards.verify import verify_dataset
+
+    problems = verify_dataset(path)
+    for problem in problems:
+        console.print(f"[red]✗[/red] {problem}")
+    if problems:
+        console.print(f"[red]{len(problems)} problem(s)[/red]")
+        raise typer.Exit(1)
+    console.print("[green]✓[/green] every shard matches manifest.json")
 
 
 def main() -> None:

@@ -297,3 +297,94 @@ def test_manifest_sizes_and_wids_index(tmp_path, coco_raw, tiny_vq, ray_local):
     dataset = wids.ShardListDataset(str(out / "index.wids.json"))
     assert len(dataset) == N_IMAGES - 2
     assert dataset[0]["__key__"] == "000000000"
+
+
+@pytest.fixture(scope="module")
+def tokenized_dataset(tmp_path_factory, coco_raw, tiny_vq, ray_local) -> Path:
+    out = _fresh_out(tmp_path_factory.mktemp("tokenized"), coco_raw)
+    cfg = _config(out, {}, enabled=False)
+    cfg["process"]["tokenize"] = {"enabled": True, "image": {"path_or_id": tiny_vq}}
+    cfg["process"]["tasks"] = {"p_drop": 0.3}
+    run_process(parse_config(cfg), show_progress=False)
+    return out
+
+
+def _copy(dataset: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    shutil.copytree(dataset, target)
+    return target
+
+
+def _rewrite_tar(path: Path, edit) -> None:
+    import tarfile
+
+    with tarfile.open(path) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(path, "w") as tar:
+        for member, data in edit(members):
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+
+
+def test_verify_passes_a_good_dataset(tokenized_dataset):
+    from pairforge.shards.verify import verify_dataset
+
+    assert verify_dataset(str(tokenized_dataset)) == []
+    cli = subprocess.run([sys.executable, "-m", "pairforge.cli", "verify",
+                          str(tokenized_dataset)], capture_output=True, text=True)
+    assert cli.returncode == 0 and "matches" in cli.stderr
+
+
+def test_verify_catches_a_deleted_sample(tokenized_dataset, tmp_path):
+    from pairforge.shards.verify import verify_dataset
+
+    data = _copy(tokenized_dataset, tmp_path)
+    _rewrite_tar(data / "shards" / "00001.tar",
+                 lambda ms: [(m, d) for m, d in ms if not m.name.startswith("000010000.")])
+    problems = verify_dataset(str(data))
+    assert any("00001.tar: 9 samples, manifest says 10" in p for p in problems)
+    cli = subprocess.run([sys.executable, "-m", "pairforge.cli", "verify", str(data)],
+                         capture_output=True, text=True)
+    assert cli.returncode == 1
+
+
+def test_verify_catches_a_truncated_tar(tokenized_dataset, tmp_path):
+    from pairforge.shards.verify import verify_dataset
+
+    data = _copy(tokenized_dataset, tmp_path)
+    tar = data / "shards" / "00002.tar"
+    tar.write_bytes(tar.read_bytes()[: tar.stat().st_size // 2])
+    problems = verify_dataset(str(data))
+    assert any("00002.tar" in p for p in problems)
+
+
+def test_verify_catches_an_edited_token_file(tokenized_dataset, tmp_path):
+    from pairforge.shards.verify import verify_dataset
+
+    data = _copy(tokenized_dataset, tmp_path)
+
+    def shorten(members):
+        for member, payload in members:
+            if member.name == "000000001.tok.npy":
+                buffer = io.BytesIO()
+                np.save(buffer, np.load(io.BytesIO(payload))[:-3])
+                payload = buffer.getvalue()
+            yield member, payload
+
+    _rewrite_tar(data / "shards" / "00000.tar", shorten)
+    problems = verify_dataset(str(data))
+    assert any("000000001 tok.npy has" in p for p in problems)
+    assert any("caption_tokens is" in p for p in problems)
+
+
+def test_verify_catches_a_manifest_whose_budget_is_off(tokenized_dataset, tmp_path):
+    from pairforge.shards.verify import verify_dataset
+
+    data = _copy(tokenized_dataset, tmp_path)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["budget"]["target_unconditional_share"] = 0.6
+    manifest["budget"]["realized_unconditional_share"] += 0.05
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    problems = verify_dataset(str(data))
+    assert any("is off the target 0.6" in p for p in problems)
+    assert any("manifest states share" in p for p in problems)
