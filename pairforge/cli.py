@@ -97,9 +97,23 @@ def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> No
     console.print(f"training shards: [b]{cfg.output.path}/shards/[/b]")
 
 
+PathArg = Annotated[str, typer.Argument(help="dataset folder (OUT) or fsspec URL")]
+
+
 @app.command()
-def verify(path: Annotated[str, typer.Argument(help="dataset folder (OUT) or fsspec URL")]
-           ) -> None:
+def inspect(path: PathArg) -> None:
+    """The dataset at a glance: funnel, token budget per task, shards, models."""
+    from pairforge.shards.inspect import inspect_view
+
+    try:
+        console.print(inspect_view(path))
+    except FileNotFoundError:
+        console.print(f"[red]error:[/red] {path} has no manifest.json: run `pairforge build`")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def verify(path: PathArg) -> None:
     """Re-read every tar and check it against manifest.json; exit 1 on any problem."""
     from pairforge.shards.verify import verify_dataset
 

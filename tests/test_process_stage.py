@@ -388,3 +388,15 @@ def test_verify_catches_a_manifest_whose_budget_is_off(tokenized_dataset, tmp_pa
     problems = verify_dataset(str(data))
     assert any("is off the target 0.6" in p for p in problems)
     assert any("manifest states share" in p for p in problems)
+
+
+def test_inspect_shows_funnel_budget_and_models(tokenized_dataset):
+    cli = subprocess.run([sys.executable, "-m", "pairforge.cli", "inspect",
+                          str(tokenized_dataset)], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "160"})
+    assert cli.returncode == 0, cli.stderr
+    text = cli.stderr
+    assert "38 samples from 40 input rows" in text
+    assert "caption_too_short" in text and "http_error" in text
+    assert "token budget per task" in text and "t2i" in text and "i2t" in text
+    assert "image tokenizer: pairforge-vq" in text and "K=64" in text

@@ -1,0 +1,73 @@
+"""`pairforge inspect`: a dataset at a glance, from its manifest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from pairforge.pipeline.progress import status_table
+from pairforge.shards.storage import OutputDir
+
+
+def _budget_table(manifest: dict[str, Any]) -> Table:
+    tasks = manifest["totals"]["tasks"]
+    image_total = sum(t["image_tokens"] for t in tasks.values()) or 1
+    table = Table(title="token budget per task", title_justify="left")
+    for column in ("task", "samples", "image tokens", "share", "caption tokens",
+                   "sequence tokens"):
+        table.add_column(column, justify="left" if column == "task" else "right")
+    for task, t in tasks.items():
+        table.add_row(task, f"{t['samples']:,}", f"{t['image_tokens']:,}",
+                      f"{t['image_tokens'] / image_total:.2%}", f"{t['caption_tokens']:,}",
+                      f"{t['sequence_tokens']:,}")
+    return table
+
+
+def _shards_table(manifest: dict[str, Any], limit: int = 12) -> Table:
+    table = Table(title=f"shards ({len(manifest['shards'])})", title_justify="left")
+    for column in ("shard", "rows", "samples", "i2t share", "max prefix dev."):
+        table.add_column(column, justify="left" if column == "shard" else "right")
+    for shard in manifest["shards"][:limit]:
+        budget = shard.get("budget") or {}
+        table.add_row(shard["name"], f"{shard['rows']:,}", f"{shard['samples']:,}",
+                      f"{budget['realized']:.3f}" if budget else "-",
+                      f"{budget['max_prefix_deviation']:.0f}" if budget else "-")
+    if len(manifest["shards"]) > limit:
+        table.add_row(f"… {len(manifest['shards']) - limit} more", "", "", "", "")
+    return table
+
+
+def _models(manifest: dict[str, Any]) -> Text:
+    vocab = manifest.get("vocab") or {}
+    lines = [f"CLIP: {manifest['models'].get('clip') or 'not used'}"
+             + (f" (threshold {manifest['models']['clip_threshold']:.4f})"
+                if manifest["models"].get("clip_threshold") is not None else "")]
+    if vocab:
+        image, text = vocab["image_tokenizer"], vocab["text_tokenizer"]
+        lines.append(f"image tokenizer: {image.get('backend')} {image.get('model')} "
+                     f"(K={vocab['image_codebook_size']})")
+        lines.append(f"text tokenizer: {text.get('backend')} {text.get('model')} "
+                     f"(V_text={vocab['text_vocab_size']})")
+        lines.append(f"vocabulary: SOV={vocab['sov']} EOV={vocab['eov']} EOS={vocab['eos']} "
+                     f"PAD={vocab['pad']} total={vocab['total_size']}")
+    return Text("\n".join(lines))
+
+
+def inspect_view(path: str, storage_options: dict | None = None) -> Group:
+    manifest = OutputDir(path, storage_options).read_json("manifest.json")
+    budget = manifest["budget"]
+    funnel = manifest["funnel"]
+    head = Text.assemble(
+        (f"{path}\n", "bold"),
+        f"{manifest['totals']['samples']:,} samples from {funnel['input_rows']:,} input rows; "
+        f"p_drop {budget['p_drop']}, unconditional image-token share "
+        f"{budget['realized_unconditional_share'] or 0:.4f} "
+        f"(largest prefix deviation {budget['max_prefix_deviation_tokens'] or 0:.0f} tokens)")
+    parts: list[Any] = [head, status_table(funnel["final"], "funnel (final status)")]
+    if manifest["totals"]["tasks"]:
+        parts.append(_budget_table(manifest))
+    parts += [_shards_table(manifest), _models(manifest)]
+    return Group(*parts)
