@@ -113,6 +113,22 @@ def inspect(path: PathArg) -> None:
 
 
 @app.command()
+def show(path: PathArg,
+         output: Annotated[str, typer.Option("-o", "--output", help="PNG to write")] = "sheet.png",
+         task: Annotated[str | None, typer.Option(help="only t2i, i2t or img")] = None,
+         grep: Annotated[str | None, typer.Option(help="only captions with this word")] = None,
+         n: Annotated[int, typer.Option("-n", help="samples on the sheet")] = 16) -> None:
+    """A contact sheet: image, VQ reconstruction, task, CLIP score and caption."""
+    from pairforge.shards.show import show as make_sheet
+
+    shown = make_sheet(path, output, task, grep, n)
+    if not shown:
+        console.print("[yellow]no sample matches[/yellow]")
+        raise typer.Exit(1)
+    console.print(f"{shown} samples → [b]{output}[/b]")
+
+
+@app.command()
 def verify(path: PathArg) -> None:
     """Re-read every tar and check it against manifest.json; exit 1 on any problem."""
     from pairforge.shards.verify import verify_dataset

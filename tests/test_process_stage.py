@@ -400,3 +400,18 @@ def test_inspect_shows_funnel_budget_and_models(tokenized_dataset):
     assert "caption_too_short" in text and "http_error" in text
     assert "token budget per task" in text and "t2i" in text and "i2t" in text
     assert "image tokenizer: pairforge-vq" in text and "K=64" in text
+
+
+def test_show_writes_a_contact_sheet_with_reconstructions(tokenized_dataset, tmp_path):
+    sheet = tmp_path / "sheet.png"
+    cli = subprocess.run([sys.executable, "-m", "pairforge.cli", "show", str(tokenized_dataset),
+                          "--task", "i2t", "-n", "6", "-o", str(sheet)],
+                         capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
+    image = Image.open(sheet)
+    # 4 columns of image + reconstruction (2 x 192 px), 2 rows for 6 samples
+    assert image.size == (4 * 2 * 192, 2 * (192 + 4 * 13 + 8))
+    none = subprocess.run([sys.executable, "-m", "pairforge.cli", "show", str(tokenized_dataset),
+                           "--grep", "zzzz-no-such-word", "-o", str(tmp_path / "x.png")],
+                          capture_output=True, text=True)
+    assert none.returncode == 1 and "no sample matches" in none.stderr

@@ -1,0 +1,110 @@
+"""`pairforge show`: a contact sheet of training samples, with VQ reconstructions.
+
+Each tile shows the image, beside it what the image tokenizer's decoder makes of its
+codes (when the tokenizer has a decoder), and below them the task, CLIP score and the
+training caption.
+"""
+
+from __future__ import annotations
+
+import io
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import webdataset as wds
+from PIL import Image, ImageDraw, ImageFont
+
+from pairforge.shards.storage import OutputDir
+from pairforge.shards.training import IMAGE_EXTENSIONS, SHARDS_FOLDER
+
+TILE = 192
+TEXT_LINES = 4
+LINE_HEIGHT = 13
+
+
+def select_samples(out: OutputDir, task: str | None, grep: str | None,
+                   n: int) -> list[dict[str, Any]]:
+    """The first ``n`` samples (in key order) matching the task and caption word."""
+    manifest = out.read_json("manifest.json")
+    urls = [out.uri(SHARDS_FOLDER, s["name"]) for s in manifest["shards"]]
+    chosen = []
+    for sample in _iterate(urls):
+        meta = sample["json"]
+        if task and meta.get("task") != task:
+            continue
+        if grep and grep.lower() not in sample["txt"].lower():
+            continue
+        chosen.append(sample)
+        if len(chosen) == n:
+            break
+    return chosen
+
+
+def _iterate(urls: list[str]) -> Iterator[dict[str, Any]]:
+    for sample in wds.WebDataset(urls, shardshuffle=False).decode():
+        yield sample
+
+
+def _image(sample: dict[str, Any]) -> Image.Image:
+    ext = next(e for e in IMAGE_EXTENSIONS if e in sample)
+    value = sample[ext]
+    image = value if isinstance(value, Image.Image) else Image.open(io.BytesIO(value))
+    if isinstance(value, np.ndarray):
+        image = Image.fromarray((value * 255).astype(np.uint8))
+    return image.convert("RGB")
+
+
+def reconstructions(out: OutputDir, samples: list[dict[str, Any]]) -> list[Image.Image | None]:
+    """Decoded VQ codes of each sample, when the dataset's image tokenizer can decode."""
+    manifest = out.read_json("manifest.json")
+    image_cfg = (manifest["config"]["process"]["tokenize"] or {}).get("image")
+    if not manifest.get("vocab") or not image_cfg:
+        return [None] * len(samples)
+    from pairforge.tokenizers.registry import load_image_tokenizer
+
+    tokenizer = load_image_tokenizer({**image_cfg, "device": "cpu"})
+    if not tokenizer.has_decoder:
+        return [None] * len(samples)
+    return tokenizer.decode([np.asarray(s["vq.npy"]) for s in samples])
+
+
+def _fit(image: Image.Image, side: int) -> Image.Image:
+    image = image.copy()
+    image.thumbnail((side, side))
+    return image
+
+
+def contact_sheet(samples: list[dict[str, Any]], recons: list[Image.Image | None],
+                  columns: int = 4) -> Image.Image:
+    tile_w = TILE * (2 if any(r is not None for r in recons) else 1)
+    tile_h = TILE + TEXT_LINES * LINE_HEIGHT + 8
+    rows = max(1, -(-len(samples) // columns))
+    sheet = Image.new("RGB", (columns * tile_w, rows * tile_h), "white")
+    draw = ImageDraw.Draw(sheet)
+    font = ImageFont.load_default()
+    for i, (sample, recon) in enumerate(zip(samples, recons, strict=True)):
+        x, y = (i % columns) * tile_w, (i // columns) * tile_h
+        sheet.paste(_fit(_image(sample), TILE), (x, y))
+        if recon is not None:
+            sheet.paste(_fit(recon.convert("RGB"), TILE), (x + TILE, y))
+        meta = sample["json"]
+        score = meta.get("clip_score")
+        head = f"{sample['__key__']} {meta.get('task') or ''}" + (
+            f" clip {score:.3f}" if score is not None else "")
+        lines = [head, *textwrap.wrap(sample["txt"], width=tile_w // 7)][:TEXT_LINES]
+        for j, line in enumerate(lines):
+            draw.text((x + 4, y + TILE + 4 + j * LINE_HEIGHT), line, fill="black", font=font)
+    return sheet
+
+
+def show(path: str, output: str, task: str | None = None, grep: str | None = None,
+         n: int = 16, storage_options: dict | None = None) -> int:
+    """Write the sheet to ``output``; returns how many samples it shows."""
+    out = OutputDir(path, storage_options)
+    samples = select_samples(out, task, grep, n)
+    if not samples:
+        return 0
+    contact_sheet(samples, reconstructions(out, samples)).save(output)
+    return len(samples)
