@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import textwrap
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,7 @@ def select_samples(out: OutputDir, task: str | None, grep: str | None,
     manifest = out.read_json("manifest.json")
     urls = [out.uri(SHARDS_FOLDER, s["name"]) for s in manifest["shards"]]
     chosen = []
-    for sample in _iterate(urls):
+    for sample in wds.WebDataset(urls, shardshuffle=False).decode():
         meta = sample["json"]
         if task and meta.get("task") != task:
             continue
@@ -40,11 +39,6 @@ def select_samples(out: OutputDir, task: str | None, grep: str | None,
         if len(chosen) == n:
             break
     return chosen
-
-
-def _iterate(urls: list[str]) -> Iterator[dict[str, Any]]:
-    for sample in wds.WebDataset(urls, shardshuffle=False).decode():
-        yield sample
 
 
 def _image(sample: dict[str, Any]) -> Image.Image:
