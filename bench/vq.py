@@ -1,0 +1,180 @@
+"""Image-tokenize throughput: our batched ``encode`` wrapper against a bare loop of the same
+model over the same images and batch size; plus the trained tokenizer's quality.
+
+    python bench/vq.py                                  # everything, 2 threads
+    python bench/vq.py --backends ours --checkpoint out/vq64
+    python bench/vq.py --backends emu3 --images 2 --batch-size 2
+
+* ours: a pairforge-vq checkpoint (``--checkpoint``; without one, one is trained first with
+  the train-vq defaults). Also reports reconstruction PSNR and codebook usage on the COCO
+  sample at the checkpoint's resolution.
+* emu3 / janus / chameleon: the published VQ architectures with random weights (no hub),
+  saved with save_pretrained and loaded by path through the stage's loading code; encode
+  only. Chameleon at 256 px, Janus at 384 px, Emu3 at about 256^2 pixels.
+
+The bare loop is what one writes by hand with the model's own preprocessing: the image
+processor on a batch, then the VQ's encode. Both paths see identical images in identical
+batches; the ratio is wrapper / bare (1.0 = no overhead). Codes of both paths are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pairforge.tokenizers import tiny  # noqa: E402
+from pairforge.tokenizers.hf_vq import HFVQTokenizer  # noqa: E402
+from pairforge.tokenizers.train_vq import evaluate, iter_image_bytes, load_arrays  # noqa: E402
+from pairforge.tokenizers.vq_tokenizer import PairforgeVQTokenizer  # noqa: E402
+
+COCO = REPO.parent / "shared/data/coco-sample/images"
+RESOLUTION = {"chameleon": 256, "janus": 384, "emu3": 256}
+
+
+def load_images(n: int) -> list[Image.Image]:
+    blobs = [b for b, _ in zip(iter_image_bytes([COCO]), range(n), strict=False)]
+    return [Image.open(io.BytesIO(b)).convert("RGB") for b in blobs]
+
+
+def timed(fn: Callable[[], list[np.ndarray]]) -> tuple[float, list[np.ndarray]]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def batches(images: list[Image.Image], size: int) -> list[list[Image.Image]]:
+    return [images[i:i + size] for i in range(0, len(images), size)]
+
+
+# ---------------------------------------------------------------------- bare loops
+def bare_ours(tok: PairforgeVQTokenizer, images: list[Image.Image], bs: int) -> list[np.ndarray]:
+    out: list[np.ndarray] = []
+    with torch.inference_mode():
+        for chunk in batches(images, bs):
+            out.extend(tok.model.encode(tok.preprocess(chunk)).to(torch.int32).numpy())
+    return out
+
+
+def bare_hf(tok: HFVQTokenizer, images: list[Image.Image], bs: int) -> list[np.ndarray]:
+    out: list[np.ndarray] = []
+    with torch.inference_mode():
+        for chunk in batches(images, bs):
+            inputs = tok.processor(chunk, return_tensors="pt")
+            pixels = inputs["pixel_values"]
+            if tok.backend == "emu3":  # the processor pads the batch; encode crops per image
+                out.extend(t.to(torch.int32).numpy() for t in
+                           tok.vq.encode(pixels, inputs["image_sizes"]).image_tokens)
+            else:
+                f = tok.downsample
+                codes = tok.vq.encode(pixels).image_tokens
+                codes = codes.view(len(chunk), pixels.shape[2] // f, pixels.shape[3] // f)
+                out.extend(codes.to(torch.int32).numpy())
+    return out
+
+
+# ---------------------------------------------------------------------- runs
+def compare(name: str, tok, bare: Callable, images: list[Image.Image], bs: int,
+            repeats: int) -> dict:
+    tok.batch_size = bs
+    # warm-up both paths on a full batch: first calls at a new shape pay for kernel setup
+    tok.encode(images[:bs])
+    bare(tok, images[:bs], bs)
+    # alternate the two paths and keep each one's best: the machine is shared, and
+    # whichever runs while a neighbour is busy would otherwise look slower
+    wrapped_s = bare_s = float("inf")
+    for _ in range(repeats):
+        seconds, wrapped = timed(lambda: tok.encode(images))
+        wrapped_s = min(wrapped_s, seconds)
+        seconds, plain = timed(lambda: bare(tok, images, bs))
+        bare_s = min(bare_s, seconds)
+    same = sum(a.shape == b.shape and np.array_equal(a, b)
+               for a, b in zip(wrapped, plain, strict=True))
+    row = {"backend": name, "images": len(images), "batch_size": bs,
+           "resolution": tok.resolution, "tokens_per_image": float(np.mean([g.size for g in
+                                                                             wrapped])),
+           "wrapper_img_s": len(images) / wrapped_s, "bare_img_s": len(images) / bare_s,
+           "ratio": bare_s / wrapped_s, "identical_codes": f"{same}/{len(images)}"}
+    print(f"{name:10s} {row['resolution']:4d}px bs={bs:<3d} n={len(images):<4d} "
+          f"wrapper {row['wrapper_img_s']:9.3f} img/s  bare {row['bare_img_s']:9.3f} img/s  "
+          f"ratio {row['ratio']:.2f}  tokens/img {row['tokens_per_image']:.0f}  "
+          f"same codes {row['identical_codes']}", flush=True)
+    return row
+
+
+def run_ours(args: argparse.Namespace) -> list[dict]:
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        from pairforge.tokenizers.train_vq import train_vq
+
+        checkpoint = Path(tempfile.mkdtemp()) / "vq"
+        train_vq(COCO, checkpoint, num_threads=args.threads, log=None)
+        print(f"trained a checkpoint with the train-vq defaults: {checkpoint}", flush=True)
+    tok = PairforgeVQTokenizer(checkpoint)
+    saved = json.loads((Path(checkpoint) / "config.json").read_text()).get("train_metrics", {})
+    whole = evaluate(tok.model, load_arrays([COCO], tok.resolution))
+    print(f"quality    {tok.resolution}px K={tok.codebook_size} f={tok.downsample}: held-out "
+          f"PSNR {saved.get('psnr', float('nan')):.2f} dB, usage "
+          f"{saved.get('codebook_usage', float('nan')):.1%}, perplexity "
+          f"{saved.get('perplexity', float('nan')):.0f} ({saved.get('held_out_images')} imgs); "
+          f"all {len(load_arrays([COCO], tok.resolution))} COCO-sample imgs: PSNR "
+          f"{whole['psnr']:.2f} dB, usage {whole['codebook_usage']:.1%}, perplexity "
+          f"{whole['perplexity']:.0f}", flush=True)
+    images = load_images(args.our_images)
+    row = compare("ours", tok, bare_ours, images, args.our_batch_size, args.repeats)
+    return [{**row, "quality_held_out": saved, "quality_all_sample": whole}]
+
+
+def run_hf(backend: str, args: argparse.Namespace, workdir: Path) -> dict:
+    start = time.perf_counter()
+    path = tiny.save_vq(backend, workdir / backend, size="real")
+    tok = HFVQTokenizer(backend, str(path), resolution=RESOLUTION[backend])
+    params = sum(p.numel() for p in tok.vq.parameters()) / 1e6
+    print(f"{backend:10s} built+saved+loaded {params:.0f}M params in "
+          f"{time.perf_counter() - start:.0f}s", flush=True)
+    n_images = args.images or (2 if backend == "emu3" else 4)
+    return compare(backend, tok, bare_hf, load_images(n_images), args.batch_size,
+                   args.hf_repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", default="ours,chameleon,janus,emu3")
+    parser.add_argument("--checkpoint", type=Path, help="pairforge-vq checkpoint to measure")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--images", type=int, default=0,
+                        help="images per transformers model (0: 2 for emu3, 4 for the others)")
+    parser.add_argument("--batch-size", type=int, default=2, help="transformers models")
+    parser.add_argument("--our-images", type=int, default=256)
+    parser.add_argument("--our-batch-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="timing repeats (ours)")
+    parser.add_argument("--hf-repeats", type=int, default=1, help="timing repeats (transformers)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for backend in args.backends.split(","):
+            if backend == "ours":
+                rows += run_ours(args)
+            else:
+                rows.append(run_hf(backend, args, Path(tmp)))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

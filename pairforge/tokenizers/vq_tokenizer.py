@@ -1,0 +1,101 @@
+"""Our trained VQ-VAE behind the common :class:`ImageTokenizer` interface."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from pairforge.tokenizers import vqvae
+from pairforge.tokenizers.base import (
+    ImageTokenizer,
+    fingerprint_digest,
+    state_dict_sha256,
+    to_uint8_image,
+)
+
+
+def resize_center_crop(image: Image.Image, side: int) -> Image.Image:
+    """Shorter side to ``side`` (bicubic), then the centre ``side`` x ``side`` square, RGB."""
+    image = image.convert("RGB")
+    width, height = image.size
+    scale = side / min(width, height)
+    size = (max(side, round(width * scale)), max(side, round(height * scale)))
+    image = image.resize(size, Image.Resampling.BICUBIC)
+    left, top = (size[0] - side) // 2, (size[1] - side) // 2
+    return image.crop((left, top, left + side, top + side))
+
+
+def preprocessing_description(resolution: int) -> dict[str, Any]:
+    """What :func:`resize_center_crop` + scaling do, for the fingerprint."""
+    return {"resize": "shorter side to resolution, bicubic", "crop": "center square",
+            "resolution": resolution, "rescale": "x / 127.5 - 1 (pixels in [-1, 1])"}
+
+
+class PairforgeVQTokenizer(ImageTokenizer):
+    """Encode with a checkpoint written by ``pairforge tokenizers train-vq``."""
+
+    backend = "pairforge-vq"
+
+    def __init__(self, path: str | Path, device: str = "cpu", batch_size: int = 64) -> None:
+        self.path = str(path)
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self.model = vqvae.load(path, self.device)
+        self._fingerprint = self._make_fingerprint()
+
+    @property
+    def codebook_size(self) -> int:
+        return self.model.config.codebook_size
+
+    @property
+    def downsample(self) -> int:
+        return self.model.config.downsample
+
+    @property
+    def resolution(self) -> int:
+        return self.model.config.resolution
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return dict(self._fingerprint)
+
+    def preprocess(self, images: list[Image.Image]) -> torch.Tensor:
+        """(B, 3, R, R) float in [-1, 1]."""
+        side = self.resolution
+        arrays = np.stack([np.asarray(resize_center_crop(im, side)) for im in images])
+        return torch.from_numpy(arrays).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+
+    @torch.inference_mode()
+    def encode(self, images: list[Image.Image]) -> list[np.ndarray]:
+        grids: list[np.ndarray] = []  # an empty batch falls through to []
+        for start in range(0, len(images), self.batch_size):
+            pixels = self.preprocess(images[start:start + self.batch_size]).to(self.device)
+            codes = self.model.encode(pixels).to(torch.int32).cpu().numpy()
+            grids.extend(codes)
+        return grids
+
+    @torch.inference_mode()
+    def decode(self, grids: list[np.ndarray]) -> list[Image.Image]:
+        images: list[Image.Image] = []
+        for start in range(0, len(grids), self.batch_size):
+            chunk = np.stack(grids[start:start + self.batch_size]).astype(np.int64)
+            pixels = self.model.decode(torch.from_numpy(chunk).to(self.device))
+            images.extend(to_uint8_image((p + 1) / 2) for p in pixels)
+        return images
+
+    def _make_fingerprint(self) -> dict[str, Any]:
+        fingerprint = {
+            "backend": self.backend,
+            "model": self.path,
+            "weights_sha256": state_dict_sha256(self.model),
+            "codebook_size": self.codebook_size,
+            "downsample": self.downsample,
+            "resolution": self.resolution,
+            "preprocessing": preprocessing_description(self.resolution),
+        }
+        fingerprint["digest"] = fingerprint_digest(fingerprint)
+        return fingerprint
