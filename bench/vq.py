@@ -149,6 +149,34 @@ def run_hf(backend: str, args: argparse.Namespace, workdir: Path) -> dict:
                    args.hf_repeats)
 
 
+def run_stage(backend: str, args: argparse.Namespace, workdir: Path) -> None:
+    """The tokenize step inside stage 3 against the bare loop (bench/stage_step.py)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from stage_step import compare, decode, raw_images
+
+    from pairforge.tokenizers.registry import load_image_tokenizer
+
+    if backend == "ours":
+        spec = {"backend": "pairforge-vq", "path_or_id": str(args.checkpoint)}
+        bs, n, bare_fn = args.our_batch_size, args.our_images, bare_ours
+    else:
+        path = tiny.save_vq(backend, workdir / backend, size="real")
+        spec = {"backend": backend, "path_or_id": str(path), "resolution": RESOLUTION[backend]}
+        bs, n, bare_fn = args.batch_size, args.images or 4, bare_hf
+
+    def bare(raw: Path) -> tuple[float, int]:
+        tok = load_image_tokenizer({**spec, "batch_size": bs})
+        samples = raw_images(raw)
+        start = time.perf_counter()
+        codes = bare_fn(tok, [decode(data) for data, _ in samples], bs)
+        return time.perf_counter() - start, len(codes)
+
+    tokenize = {"enabled": True, "image": spec, "batch_size": bs,
+                "torch_threads": args.threads}
+    compare(n, bare, {"tokenize": tokenize},
+            f"tokenize step, {backend}, batch {bs}, torch threads {args.threads}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default="ours,chameleon,janus,emu3")
@@ -162,10 +190,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats (ours)")
     parser.add_argument("--hf-repeats", type=int, default=1, help="timing repeats (transformers)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--stage", action="store_true",
+                        help="measure the tokenize step inside stage 3 instead (N and 2N "
+                        "images; ours needs --checkpoint)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     rows: list[dict] = []
+    if args.stage:
+        with tempfile.TemporaryDirectory() as tmp:
+            for backend in args.backends.split(","):
+                run_stage(backend, args, Path(tmp))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for backend in args.backends.split(","):
             if backend == "ours":
