@@ -94,7 +94,10 @@ def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> No
     _print_stage("download", _run_guarded(run_download, cfg, not quiet))
     _print_dedup(_run_guarded(run_dedup_stage, cfg))
     _print_stage("process", _run_guarded(run_process, cfg, not quiet))
-    console.print(f"training shards: [b]{cfg.output.path}/shards/[/b]")
+    out = cfg.output.path
+    console.print(f"training shards: [b]{out}/shards/[/b], manifest: [b]{out}/manifest.json[/b]")
+    console.print("next: [b]pairforge inspect[/b] {0}   [b]pairforge show[/b] {0} -o sheet.png"
+                  "   [b]pairforge verify[/b] {0}".format(out))
 
 
 PathArg = Annotated[str, typer.Argument(help="dataset folder (OUT) or fsspec URL")]

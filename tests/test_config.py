@@ -48,3 +48,15 @@ def test_invalid_network_rejected():
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "cluster.yaml"])
+def test_example_configs_are_valid(name):
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "examples" / name)
+    assert cfg.process.tokenize.enabled
+
+
+def test_tokenize_needs_an_image_tokenizer():
+    with pytest.raises(ConfigError, match="tokenize.enabled needs tokenize.image"):
+        parse_config({"input": {"path": "x"}, "process": {"tokenize": {"enabled": True}}})
