@@ -96,8 +96,8 @@ def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> No
     _print_stage("process", _run_guarded(run_process, cfg, not quiet))
     out = cfg.output.path
     console.print(f"training shards: [b]{out}/shards/[/b], manifest: [b]{out}/manifest.json[/b]")
-    console.print("next: [b]pairforge inspect[/b] {0}   [b]pairforge show[/b] {0} -o sheet.png"
-                  "   [b]pairforge verify[/b] {0}".format(out))
+    console.print(f"next: [b]pairforge inspect[/b] {out}   [b]pairforge show[/b] {out} -o sheet.png"
+                  f"   [b]pairforge verify[/b] {out}")
 
 
 PathArg = Annotated[str, typer.Argument(help="dataset folder (OUT) or fsspec URL")]
@@ -129,6 +129,18 @@ def show(path: PathArg,
         console.print("[yellow]no sample matches[/yellow]")
         raise typer.Exit(1)
     console.print(f"{shown} samples → [b]{output}[/b]")
+
+
+@app.command()
+def report(path: PathArg,
+           output: Annotated[str, typer.Option("-o", "--output", help="HTML to write")]
+           = "report.html") -> None:
+    """One self-contained HTML page: funnel, CLIP scores, budget along shards, token counts."""
+    from pairforge.shards.report import render_report
+
+    with open(output, "w") as f:
+        f.write(render_report(path))
+    console.print(f"report → [b]{output}[/b]")
 
 
 @app.command()

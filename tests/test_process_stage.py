@@ -415,3 +415,15 @@ def test_show_writes_a_contact_sheet_with_reconstructions(tokenized_dataset, tmp
                            "--grep", "zzzz-no-such-word", "-o", str(tmp_path / "x.png")],
                           capture_output=True, text=True)
     assert none.returncode == 1 and "no sample matches" in none.stderr
+
+
+def test_report_is_one_self_contained_page(tokenized_dataset, tmp_path):
+    page = tmp_path / "report.html"
+    cli = subprocess.run([sys.executable, "-m", "pairforge.cli", "report",
+                          str(tokenized_dataset), "-o", str(page)], capture_output=True,
+                         text=True)
+    assert cli.returncode == 0, cli.stderr
+    text = page.read_text()
+    assert text.count("data:image/png;base64,") == 3  # funnel, budget prefix, tokens
+    assert "38 samples from 40 input rows" in text
+    assert "http://" not in text and "src=\"/" not in text  # nothing fetched from elsewhere

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import webdataset as wds
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from pairforge.shards.storage import OutputDir
 from pairforge.shards.training import IMAGE_EXTENSIONS, SHARDS_FOLDER
@@ -65,9 +65,9 @@ def reconstructions(out: OutputDir, samples: list[dict[str, Any]]) -> list[Image
 
 
 def _fit(image: Image.Image, side: int) -> Image.Image:
-    image = image.copy()
-    image.thumbnail((side, side))
-    return image
+    # Up or down: a 32 px reconstruction is shown at the size of the image beside it.
+    return ImageOps.contain(image, (side, side), Image.Resampling.NEAREST
+                            if max(image.size) < side // 2 else Image.Resampling.BICUBIC)
 
 
 def contact_sheet(samples: list[dict[str, Any]], recons: list[Image.Image | None],
