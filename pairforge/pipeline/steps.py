@@ -54,10 +54,11 @@ class Step:
 
 def _scatter(values: pa.Array | list, index: np.ndarray, length: int,
              dtype: pa.DataType) -> pa.Array:
-    full: list[Any] = [None] * length
-    for i, value in zip(index, pa.array(values, dtype).to_pylist(), strict=True):
-        full[i] = value
-    return pa.array(full, dtype)
+    """A full-length column: ``values`` at the rows in ``index``, null elsewhere."""
+    positions = np.full(length, -1, dtype=np.int64)
+    positions[index] = np.arange(len(index))
+    taker = pa.array(positions, mask=positions < 0)  # a null index takes a null
+    return pa.array(values, dtype).take(taker)
 
 
 def merge_result(batch: pa.Table, index: np.ndarray, result: StepResult,
