@@ -4,7 +4,7 @@ Raw shards of COCO sample photos are made with stage 1 (loopback HTTP). Each sid
 N and on 2N images. The whole-run rate includes fixed costs (the stage starts a Ray worker
 that imports torch and loads the model, Ray Data's executor, the writers); the marginal
 rate N / (t(2N) - t(N)) is the per-image throughput once running, which is what a build of
-millions of images sees.
+millions of images sees. Both sides make one unmeasured warm-up run first.
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ def stage_seconds(out: Path, process: dict[str, Any]) -> tuple[float, int]:
     return time.perf_counter() - start, summary["status"].get("ok", 0)
 
 
+WARMUP = 40
+
+
 def compare(n: int, bare: Callable[[Path], tuple[float, int]], process: dict[str, Any],
             label: str) -> None:
     """Print whole-run and marginal images/s of the bare loop and the stage on n and 2n."""
@@ -78,12 +81,15 @@ def compare(n: int, bare: Callable[[Path], tuple[float, int]], process: dict[str
     from pairforge.pipeline.ray_runtime import init_ray
 
     with tempfile.TemporaryDirectory() as tmp:
-        outs = {size: Path(tmp) / f"out{size}" for size in (n, 2 * n)}
+        outs = {size: Path(tmp) / f"out{size}" for size in (WARMUP, n, 2 * n)}
         for size, out in outs.items():
             make_raw(out, size)
         # All bare runs first, then the stage runs: Ray's idle workers stay out of the way.
         bares = {size: bare(out / "raw") for size, out in outs.items()}
         init_ray(RayConfig())  # started before the stage clock runs
+        # A first, unmeasured run on a few images, on both sides, so that both measured
+        # runs start alike (Ray's worker processes have imported torch; caches are warm).
+        stage_seconds(outs.pop(WARMUP), process)
         results = {size: (bares[size], stage_seconds(out, process))
                    for size, out in outs.items()}
     print(label)
