@@ -103,3 +103,10 @@ def make_key(shard_id: int, index: int, index_digits: int = 4) -> str:
 def index_digits(shard_size: int) -> int:
     """Digits needed for the in-shard index (at least 4, as img2dataset does)."""
     return max(4, len(str(max(shard_size - 1, 0))))
+
+
+def json_safe(meta: dict) -> dict:
+    """A sample's json metadata: the 64-bit phash as 16 hex digits, since JSON readers
+    (JavaScript, Arrow's int64 inference in Hugging Face datasets) cannot hold a uint64."""
+    phash = meta.get("phash")
+    return {**meta, "phash": f"{phash:016x}"} if isinstance(phash, int) else meta

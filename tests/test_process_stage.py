@@ -427,3 +427,17 @@ def test_report_is_one_self_contained_page(tokenized_dataset, tmp_path):
     assert text.count("data:image/png;base64,") == 3  # funnel, budget prefix, tokens
     assert "38 samples from 40 input rows" in text
     assert "http://" not in text and "src=\"/" not in text  # nothing fetched from elsewhere
+
+
+def test_huggingface_datasets_reads_the_shards_unchanged(tokenized_dataset, tmp_path):
+    import datasets
+
+    tars = sorted(str(p) for p in (tokenized_dataset / "shards").glob("*.tar"))
+    ds = datasets.load_dataset("webdataset", data_files={"train": tars}, split="train",
+                               cache_dir=str(tmp_path / "hf"))
+    assert ds.num_rows == N_IMAGES - 2
+    assert {"jpg", "txt", "json", "vq.npy", "tok.npy", "__key__"} <= set(ds.column_names)
+    row = ds[0]
+    assert row["json"]["task"] in {"t2i", "i2t"} and len(row["json"]["phash"]) == 16
+    assert np.asarray(row["vq.npy"]).shape == tuple(row["json"]["token_grid"])
+    assert len(row["tok.npy"]) == row["json"]["n_caption_tokens"]

@@ -20,7 +20,7 @@ from pairforge.config import PairforgeConfig
 from pairforge.pipeline.fetch import Fetcher, FetchResult
 from pairforge.pipeline.imageproc import ImageFailure, ProcessedImage, process_image
 from pairforge.pipeline.inputs import InputShard
-from pairforge.records import Status, index_digits, make_key
+from pairforge.records import Status, index_digits, json_safe, make_key
 from pairforge.shards.raw import RawShardWriter
 from pairforge.shards.storage import OutputDir
 
@@ -99,7 +99,7 @@ class ShardDownloader:
 
 
 def _sample_meta(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in record.items() if v is not None and k != "http_status"}
+    return json_safe({k: v for k, v in record.items() if v is not None and k != "http_status"})
 
 
 def download_shard(shard: InputShard, cfg: PairforgeConfig,

@@ -19,7 +19,7 @@ import webdataset as wds
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from pairforge.config import TasksConfig
-from pairforge.records import Status
+from pairforge.records import Status, json_safe
 from pairforge.shards.raw import shard_name, stats_name
 from pairforge.shards.storage import OutputDir
 from pairforge.shards.tasks import IMG, assign_tasks, share_report, start_offset
@@ -67,7 +67,7 @@ def final_rows(raw: pa.Table, duplicates: dict[str, tuple[str, str]],
 
 def _sample_json(row: dict[str, Any], fields: list[str]) -> dict[str, Any]:
     # Every sample carries the same fields (null when unknown): HF datasets needs that.
-    return {f: row.get(f) for f in fields}
+    return json_safe({f: row.get(f) for f in fields})
 
 
 def _npy(values: list[int], shape: list[int] | None = None) -> bytes:
