@@ -101,7 +101,7 @@ def _check_tars(raw: Path, ok_rows: list[dict]) -> None:
     for sample, row in zip(samples, ok_rows, strict=True):
         assert set(sample) >= {"__key__", "jpg", "txt", "json"}
         meta = json.loads(sample["json"])
-        assert meta["sha256"] == row["sha256"] and meta["phash"] == row["phash"]
+        assert meta["sha256"] == row["sha256"] and int(meta["phash"], 16) == row["phash"]
         assert sample["txt"].decode() == row["caption"]
     index = [{"url": t, "nsamples": sum(1 for s in samples if s["__url__"] == t)} for t in tars]
     dataset = wids.ShardListDataset(index)
