@@ -22,9 +22,8 @@ from pairforge.pipeline.imageproc import ImageFailure, ProcessedImage, process_i
 from pairforge.pipeline.inputs import InputShard
 from pairforge.records import Status, index_digits, json_safe, make_key
 from pairforge.shards.raw import RawShardWriter
-from pairforge.shards.storage import OutputDir
+from pairforge.shards.storage import RAW_FOLDER, OutputDir
 
-RAW_FOLDER = "raw"
 ProgressFn = Callable[[Counter], None]
 
 
@@ -57,16 +56,16 @@ def _read_tar_members(sources: list[str]) -> dict[str, bytes]:
 
 
 class ShardDownloader:
-    def __init__(self, cfg: PairforgeConfig, fetcher: Fetcher):
+    def __init__(self, cfg: PairforgeConfig, fetcher: Fetcher, tar_bytes: dict[str, bytes]):
         self.cfg, self.fetcher = cfg, fetcher
         self.caption_required = cfg.input.caption_col is not None
-        self.local_bytes: dict[str, bytes] = {}
+        self.tar_bytes = tar_bytes  # images of rows that come from existing tars
 
     def _fetch(self, url: str | None, source: str | None) -> FetchResult:
         if source is None:
             return self.fetcher.fetch(url or "")
         if source.startswith("tar:"):
-            return FetchResult(Status.OK, None, self.local_bytes[source], None, source)
+            return FetchResult(Status.OK, None, self.tar_bytes[source], None, source)
         try:
             with fsspec.open(source, "rb") as f:
                 return FetchResult(Status.OK, None, f.read(), None, source)
@@ -114,9 +113,8 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig,
     for i, row in enumerate(rows):
         row["key"] = make_key(shard.shard_id, i, digits)
     fetcher = Fetcher(cfg.download)
-    worker = ShardDownloader(cfg, fetcher)
-    worker.local_bytes = _read_tar_members(
-        [r["source"] for r in rows if (r["source"] or "").startswith("tar:")])
+    worker = ShardDownloader(cfg, fetcher, _read_tar_members(
+        [r["source"] for r in rows if (r["source"] or "").startswith("tar:")]))
     writer = RawShardWriter(out, RAW_FOLDER, shard.shard_id, extras)
     pending: Counter = Counter()
     last_report = time.monotonic()

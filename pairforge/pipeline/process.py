@@ -34,10 +34,14 @@ from pairforge.pipeline.steps import Step, add_step, fit_actor_cpus
 from pairforge.records import Status
 from pairforge.shards.manifest import build_manifest, write_dataset_files
 from pairforge.shards.raw import completed_shards, shard_name
-from pairforge.shards.storage import OutputDir
-from pairforge.shards.training import (
+from pairforge.shards.storage import (
+    DEDUP_FOLDER,
     RAW_FOLDER,
+    SCORES_FOLDER,
     SHARDS_FOLDER,
+    OutputDir,
+)
+from pairforge.shards.training import (
     final_rows,
     read_raw_images,
     write_embeddings,
@@ -45,8 +49,6 @@ from pairforge.shards.training import (
 )
 from pairforge.tokenizers.step import TokenizeStep
 
-DEDUP_FOLDER = "dedup"
-SCORES_FOLDER = "clip"
 # What the steps see of a raw row; the writer gets the rest back from the raw parquet.
 # Step outputs written to their own per-shard files rather than the parquet.
 PER_SHARD_FILES = {"clip_embedding"}

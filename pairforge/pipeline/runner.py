@@ -9,7 +9,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from pairforge.config import PairforgeConfig
-from pairforge.pipeline.download import RAW_FOLDER, download_shard
+from pairforge.pipeline.download import download_shard
 from pairforge.pipeline.inputs import (
     BUNDLED_SAMPLE,
     InputShard,
@@ -21,7 +21,7 @@ from pairforge.pipeline.progress import ProgressCounter, StageDisplay
 from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.pipeline.sample_server import bundled_sample_table, serve_directory
 from pairforge.shards.raw import completed_shards, stats_name
-from pairforge.shards.storage import OutputDir
+from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir
 
 
 @contextmanager
@@ -79,7 +79,7 @@ def run_dedup_stage(cfg: PairforgeConfig) -> dict[str, Any]:
     from pairforge.pipeline.dedup_stage import run_dedup
 
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
-    return run_dedup(out.uri(RAW_FOLDER), out.uri("dedup"), cfg.dedup, cfg.ray,
+    return run_dedup(out.uri(RAW_FOLDER), out.uri(DEDUP_FOLDER), cfg.dedup, cfg.ray,
                      cfg.output.storage_options)
 
 

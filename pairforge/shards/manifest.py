@@ -13,8 +13,7 @@ from typing import Any
 
 from pairforge.config import PairforgeConfig
 from pairforge.shards.raw import shard_name, stats_name
-from pairforge.shards.storage import OutputDir
-from pairforge.shards.training import RAW_FOLDER, SHARDS_FOLDER
+from pairforge.shards.storage import RAW_FOLDER, SHARDS_FOLDER, OutputDir
 
 MANIFEST_VERSION = 1
 VERSIONED = ("pairforge", "torch", "open_clip_torch", "transformers", "ray", "webdataset",

@@ -16,8 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairforge.shards.storage import OutputDir
-from pairforge.shards.training import SHARDS_FOLDER
+from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
 
 
 def _rows(out: OutputDir, manifest: dict[str, Any]) -> pa.Table:

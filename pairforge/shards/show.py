@@ -15,8 +15,8 @@ import numpy as np
 import webdataset as wds
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
-from pairforge.shards.storage import OutputDir
-from pairforge.shards.training import IMAGE_EXTENSIONS, SHARDS_FOLDER
+from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
+from pairforge.shards.training import IMAGE_EXTENSIONS
 
 TILE = 192
 TEXT_LINES = 4
@@ -42,12 +42,9 @@ def select_samples(out: OutputDir, task: str | None, grep: str | None,
 
 
 def _image(sample: dict[str, Any]) -> Image.Image:
+    # webdataset's default decode() turns .npy and .json into objects, leaves images as bytes
     ext = next(e for e in IMAGE_EXTENSIONS if e in sample)
-    value = sample[ext]
-    image = value if isinstance(value, Image.Image) else Image.open(io.BytesIO(value))
-    if isinstance(value, np.ndarray):
-        image = Image.fromarray((value * 255).astype(np.uint8))
-    return image.convert("RGB")
+    return Image.open(io.BytesIO(sample[ext])).convert("RGB")
 
 
 def reconstructions(out: OutputDir, samples: list[dict[str, Any]]) -> list[Image.Image | None]:

@@ -18,6 +18,12 @@ from typing import IO, Any
 import fsspec
 
 TEMP_MARK = ".tmp-"
+# The folders under OUT (DESIGN.md section 4), named once here.
+RAW_FOLDER = "raw"  # stage 1
+DEDUP_FOLDER = "dedup"  # stage 2
+SCORES_FOLDER = "clip"  # stage 3, CLIP scores of top_fraction mode
+EMBEDDINGS_FOLDER = "embeddings"  # stage 3, optional image embeddings
+SHARDS_FOLDER = "shards"  # stage 3, training shards
 
 
 class OutputDir:

@@ -21,12 +21,9 @@ from webdataset.tariterators import group_by_keys, tar_file_expander
 from pairforge.config import TasksConfig
 from pairforge.records import Status, json_safe
 from pairforge.shards.raw import shard_name, stats_name
-from pairforge.shards.storage import OutputDir
+from pairforge.shards.storage import EMBEDDINGS_FOLDER, RAW_FOLDER, SHARDS_FOLDER, OutputDir
 from pairforge.shards.tasks import IMG, assign_tasks, share_report, start_offset
 
-RAW_FOLDER = "raw"
-SHARDS_FOLDER = "shards"
-EMBEDDINGS_FOLDER = "embeddings"
 IMAGE_EXTENSIONS = ("jpg", "webp", "png")
 SPECIALS_PER_SEQUENCE = 4  # leading EOS, SOV, EOV, final EOS
 

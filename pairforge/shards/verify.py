@@ -10,8 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from pairforge.shards.storage import OutputDir
-from pairforge.shards.training import SHARDS_FOLDER
+from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
 
 REQUIRED = ("txt", "json")
 IMAGE_EXTS = ("jpg", "webp", "png")
