@@ -176,17 +176,19 @@ def test_two_model_pools_do_not_hang_two_cores(tmp_path, coco_raw, tiny_clip, ra
 
 @pytest.mark.slow
 def test_resume_after_sigkill_gives_same_output(tmp_path, coco_raw, tiny_clip):
-    def cli(out: Path) -> subprocess.Popen:
+    def cli(out: Path, hold_last_shard: bool = False) -> subprocess.Popen:
         cfg_path = tmp_path / f"{out.name}.yaml"
         cfg = _config(out, tiny_clip, mode="threshold", threshold=-1.0)
         cfg["process"]["clip"]["batch_size"] = 2
         cfg_path.write_text(yaml.safe_dump(cfg))
-        return subprocess.Popen([sys.executable, "-m", "pairforge.cli", "process",
-                                 str(cfg_path), "-q"], start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        entry = ([str(Path(__file__).with_name("hold_last_shard.py"))] if hold_last_shard
+                 else ["-m", "pairforge.cli"])
+        return subprocess.Popen([sys.executable, *entry, "process", str(cfg_path), "-q"],
+                                start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
 
     killed = _fresh_out(tmp_path / "k", coco_raw)
-    proc = cli(killed)
+    proc = cli(killed, hold_last_shard=True)
     deadline = time.monotonic() + 180
     while not list((killed / "shards").glob("*_stats.json")):
         assert proc.poll() is None, proc.stderr.read().decode()
