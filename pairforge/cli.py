@@ -10,10 +10,14 @@ import typer
 from pairforge.config import ConfigError, PairforgeConfig, load_config
 from pairforge.pipeline.progress import console, status_table
 from pairforge.tokenizers.cli import app as tokenizers_app
+from pairforge.train.cli import sample as sample_command
+from pairforge.train.cli import train as train_command
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
                   help="Build image-text pretraining shards for unified autoregressive models.")
 app.add_typer(tokenizers_app, name="tokenizers")
+app.command("train")(train_command)
+app.command("sample")(sample_command)
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML config file", exists=False)]
 SetOpt = Annotated[list[str] | None, typer.Option(
