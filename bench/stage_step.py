@@ -23,8 +23,10 @@ COCO = ROOT.parent / "shared" / "data" / "coco-sample"
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def make_raw(out: Path, n: int, image_size: int = 256, shard_size: int = 1000) -> None:
-    """Stage-1 raw shards of the first n COCO sample photos."""
+def make_raw(out: Path, n: int, image_size: int = 256, shard_size: int = 1000,
+             unique: int | None = None) -> None:
+    """Stage-1 raw shards of n COCO sample photos: the first ``unique`` (default n) photos,
+    listed again from the start (same URL, same pixels) until there are n rows."""
     from loopback_server import LoopbackServer
 
     from pairforge.config import parse_config
@@ -32,6 +34,7 @@ def make_raw(out: Path, n: int, image_size: int = 256, shard_size: int = 1000) -
 
     with open(COCO / "captions.csv", newline="") as f:
         rows = [(r["filename"], r["caption"].strip()) for r in csv.DictReader(f)]
+    rows = rows[:unique or len(rows)]
     rows = (rows * (n // len(rows) + 1))[:n]
     with LoopbackServer(COCO / "images") as server:
         lines = ["url,caption"] + [f"{server.url('/img/' + name)},\"{cap}\"" for name, cap in rows]

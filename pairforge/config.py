@@ -183,18 +183,93 @@ class TokenizeConfig(ModelPoolConfig):
         return self
 
 
+class OpenAIServerConfig(Strict):
+    """An OpenAI-compatible chat-completions server (vLLM, SGLang, TGI) for recaptioning."""
+
+    base_url: str = Field("http://127.0.0.1:8000/v1", description="the server's /v1 URL")
+    api_key_env: str = Field("OPENAI_API_KEY",
+                             description="environment variable holding the key (may be unset)")
+    concurrency: int = Field(8, gt=0, description="requests in flight per actor")
+    timeout_s: float = Field(60.0, gt=0, description="per request")
+    retries: int = Field(3, ge=0, description="retries on timeouts, 429 and 5xx (with backoff)")
+
+
+class RecaptionCacheConfig(Strict):
+    """Recaptions keyed by image, persisted across builds."""
+
+    enabled: bool = True
+    path: str | None = Field(None, description="cache folder (any fsspec URL); default "
+                             "OUT/recaption_cache. Point several builds at one folder to share it")
+    phash_distance: int = Field(
+        0, ge=0, le=4, description="also reuse the caption of an image within this perceptual-"
+        "hash distance (0: exact pixels only); never for images whose caption mentions text")
+
+
+class GroundingConfig(Strict):
+    """Object nouns of a recaption checked against the image with the stage's CLIP model."""
+
+    enabled: bool = True
+    min_score: float = Field(0.2, description="a noun is supported when the cosine similarity "
+                             "of the image and 'a photo of a NOUN' is at least this")
+    extra_nouns: list[str] = Field(default_factory=list,
+                                   description="files of more object nouns, one per line")
+
+
+class RecaptionConfig(ModelPoolConfig):
+    """The VLM recaption step (pairforge/recaption)."""
+
+    enabled: bool = False
+    batch_size: int = Field(8, gt=0, description="images per generate call / request wave")
+    backend: Literal["transformers", "openai"] = "transformers"
+    model: str = Field("HuggingFaceTB/SmolVLM-256M-Instruct",
+                       description="hub id or local folder (transformers); served name (openai)")
+    revision: str | None = None
+    prompt: str | None = Field(None, description="default: recaption.prompts.DEFAULT_PROMPT")
+    prompt_mode: Literal["auto", "chat", "prefix", "none"] = Field(
+        "auto", description="auto: the chat template when the processor has one, else none; "
+        "prefix: the prompt as a text prefix (BLIP-style); none: unconditional captioning")
+    max_new_tokens: int = Field(48, gt=0)
+    temperature: float = Field(0.0, ge=0, le=1, description="0: greedy decoding")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on GPU")
+    openai: OpenAIServerConfig = Field(default_factory=OpenAIServerConfig)
+    cache: RecaptionCacheConfig = Field(default_factory=RecaptionCacheConfig)
+    grounding: GroundingConfig = Field(default_factory=GroundingConfig)
+    attribute_lexicons: list[str] = Field(
+        default_factory=list, description="folders of extra attribute word lists (same files "
+        "as pairforge/recaption/data) that extend the people-attribute filter")
+
+
 class TasksConfig(Strict):
-    """t2i/i2t labels (DESIGN.md section 5)."""
+    """t2i/i2t labels (DESIGN.md section 5) and which caption trains."""
 
     p_drop: float = Field(0.1, ge=0, le=1, description="caption-drop rate the i2t share replaces")
-    seed: int = Field(0, description="seeds each shard's start offset")
+    seed: int = Field(0, description="seeds each shard's start offset and the caption mix")
+    caption: Literal["recaption", "original", "mix"] | None = Field(
+        None, description="the training caption; default: recaption when the recaption step "
+        "runs, else original")
+    recaption_share: float = Field(0.95, ge=0, le=1,
+                                   description="mix: share of samples trained on the recaption")
 
 
 class ProcessConfig(Strict):
     basic: BasicFilterConfig = Field(default_factory=BasicFilterConfig)
     clip: ClipConfig = Field(default_factory=ClipConfig)
+    recaption: RecaptionConfig = Field(default_factory=RecaptionConfig)
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
+
+    @model_validator(mode="after")
+    def _caption_source_exists(self) -> ProcessConfig:
+        if self.tasks.caption in ("recaption", "mix") and not self.recaption.enabled:
+            raise ValueError(f"tasks.caption={self.tasks.caption} needs recaption.enabled")
+        return self
+
+    def training_caption(self) -> str:
+        """recaption, original or mix: what the tasks section asks, resolved."""
+        if self.tasks.caption:
+            return self.tasks.caption
+        return "recaption" if self.recaption.enabled else "original"
 
 
 class PairforgeConfig(Strict):

@@ -25,12 +25,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pairforge.config import PairforgeConfig, TasksConfig
+from pairforge.config import PairforgeConfig
 from pairforge.filters.basic import BasicFilterStep
 from pairforge.filters.clip import ClipStep
 from pairforge.pipeline.progress import StageDisplay
 from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.pipeline.steps import Step, add_step, fit_actor_cpus
+from pairforge.recaption import cache as recaption_cache
+from pairforge.recaption.registry import start_registry
+from pairforge.recaption.step import RecaptionStep, registry_name
 from pairforge.records import Status
 from pairforge.shards.manifest import build_manifest, write_dataset_files
 from pairforge.shards.raw import completed_shards, shard_name
@@ -53,10 +56,10 @@ from pairforge.tokenizers.step import TokenizeStep
 # Step outputs written to their own per-shard files rather than the parquet.
 PER_SHARD_FILES = {"clip_embedding"}
 STEP_INPUT_COLUMNS = ["key", "caption", "status", "error", "image_format", "width", "height",
-                      "original_width", "original_height"]
+                      "original_width", "original_height", "pixel_hash", "phash"]
 SAMPLE_FIELDS = ["key", "url", "caption", "width", "height", "original_width",
                  "original_height", "image_format", "sha256", "pixel_hash", "phash",
-                 "clip_score"]
+                 "clip_score", "recaption", "recaption_flags", "caption_source"]
 TOKEN_FIELDS = ["task", "n_image_tokens", "token_grid", "n_caption_tokens"]
 
 
@@ -65,6 +68,7 @@ def enabled_steps(cfg: PairforgeConfig) -> list[type[Step]]:
     chain: list[tuple[bool, type[Step]]] = [
         (cfg.process.basic.enabled, BasicFilterStep),
         (cfg.process.clip.enabled, ClipStep),
+        (cfg.process.recaption.enabled, RecaptionStep),
         (cfg.process.tokenize.enabled, TokenizeStep),
     ]
     return [step for enabled, step in chain if enabled]
@@ -145,27 +149,53 @@ def output_fields(steps: list[type[Step]]) -> list[pa.Field]:
     fields = [pa.field("duplicate_of", pa.string())]
     for step in steps:
         fields += [pa.field(n, t) for n, t in step.provides.items() if n not in PER_SHARD_FILES]
+    if "caption_source" not in {f.name for f in fields}:
+        fields.append(pa.field("caption_source", pa.string()))
     if any("n_image_tokens" in step.provides for step in steps):
         fields.append(pa.field("task", pa.string()))
     return fields
 
 
-def _write_task(out_url: str, storage_options: dict, plan: ShardPlan, results: pa.Table,
-                stats_extra: dict[str, Any], fields: list[pa.Field],
-                tasks: TasksConfig) -> dict[str, Any]:
-    out = OutputDir(out_url, storage_options)
+def _write_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
+                stats_extra: dict[str, Any], fields: list[pa.Field]) -> dict[str, Any]:
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
     raw = _read_raw(out, plan.shard_id)
     rows = final_rows(raw, plan.duplicates, results)
+    for row in rows:
+        if row["status"] == Status.OK and "caption_source" not in row:
+            row["caption_source"] = "original" if row["caption"] else None
+    stats = dict(stats_extra)
+    if cfg.process.recaption.enabled:
+        # cached before the stats file: a complete shard's captions are always in the cache
+        if cfg.process.recaption.cache.enabled:
+            recaption_cache.write_part(cfg, plan.shard_id, rows)
+        stats["recaption"] = recaption_stats(rows)
     schema = pa.schema([*raw.schema, *fields])
     meta = SAMPLE_FIELDS + (TOKEN_FIELDS if "n_image_tokens" in schema.names else [])
-    return write_training_shard(out, plan.shard_id, rows, schema, meta, stats_extra,
-                                tasks)
+    return write_training_shard(out, plan.shard_id, rows, schema, meta, stats,
+                                cfg.process.tasks)
 
 
-def _write_scores_task(out_url: str, storage_options: dict, plan: ShardPlan,
-                       results: pa.Table, stats_extra: dict[str, Any],
-                       fields: list[pa.Field], tasks: TasksConfig) -> dict[str, Any]:
-    out = OutputDir(out_url, storage_options)
+def recaption_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where each recaption came from and what the safety checks did, for the stats."""
+    done = [r for r in rows if r.get("recaption_origin")]
+    flags = Counter(f.split(":", 1)[0] for r in done for f in r["recaption_flags"] or [])
+    return {"rows": len(done),
+            "origin": dict(sorted(Counter(r["recaption_origin"] for r in done).items())),
+            "abstained": sum(r["recaption"] is None for r in done),
+            "rows_with_attributes_removed": sum(
+                any(f.startswith("attribute:") for f in r["recaption_flags"] or [])
+                for r in done),
+            "regenerated": sum(any(f.startswith("regenerated:") for f in r["recaption_flags"]
+                                   or []) for r in done),
+            "flags": dict(sorted(flags.items())),
+            "caption_source": dict(sorted(Counter(
+                r.get("caption_source") or "none" for r in done).items()))}
+
+
+def _write_scores_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
+                       stats_extra: dict[str, Any], fields: list[pa.Field]) -> dict[str, Any]:
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(SCORES_FOLDER)
     table = results.select(["key", "status", "clip_score"])
     if "clip_embedding" in results.column_names:
@@ -194,9 +224,8 @@ def _stream(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan], steps:
         parts = buffers.pop(shard_id, [])
         results = (pa.concat_tables(parts, promote_options="permissive") if parts
                    else pa.table({"key": pa.array([], pa.string())}))
-        writes.append(write.remote(out.url, cfg.output.storage_options, by_id[shard_id],
-                                   results, stats_extra, output_fields(steps),
-                                   cfg.process.tasks))
+        writes.append(write.remote(cfg, by_id[shard_id], results, stats_extra,
+                                   output_fields(steps)))
 
     for plan in plans:
         if plan.to_process == 0:
@@ -269,7 +298,9 @@ def run_process(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, A
         scoring = cfg.model_copy(deep=True)
         scoring.process.clip.mode = "score_only"
         score_plans = plan_shards(out, cfg, SCORES_FOLDER)
-        _stream(scoring, out, score_plans, steps, _write_scores_task, {}, None)
+        # the threshold needs the scores only: later (costlier) steps wait for pass two
+        score_steps = steps[:steps.index(ClipStep) + 1]
+        _stream(scoring, out, score_plans, score_steps, _write_scores_task, {}, None)
         threshold = _score_threshold(out, cfg)
         cfg = cfg.model_copy(deep=True)
         cfg.process.clip.mode, cfg.process.clip.threshold = "threshold", threshold
@@ -282,11 +313,18 @@ def run_process(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, A
     rows = sum(p.to_process for p in plans)
     display = (StageDisplay("process", len(all_ids), rows, len(all_ids) - len(plans))
                if show_progress else None)
-    if display:
-        with display:
-            _stream(cfg, out, plans, steps, _write_task, stats_extra, display)
-    else:
-        _stream(cfg, out, plans, steps, _write_task, stats_extra, None)
+    registry = start_registry(registry_name(cfg)) if cfg.process.recaption.enabled else None
+    try:
+        if display:
+            with display:
+                _stream(cfg, out, plans, steps, _write_task, stats_extra, display)
+        else:
+            _stream(cfg, out, plans, steps, _write_task, stats_extra, None)
+    finally:
+        if registry is not None:
+            import ray
+
+            ray.kill(registry)
     seconds = time.time() - started
     from pairforge.pipeline.runner import summarise
 

@@ -38,6 +38,22 @@ def _sum_tasks(shards: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     return {task: dict(c) for task, c in sorted(totals.items())}
 
 
+def _sum_recaption(shards: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The shards' recaption stats added up (counters nested one level deep)."""
+    parts = [s["recaption"] for s in shards if "recaption" in s]
+    if not parts:
+        return None
+    total: dict[str, Any] = {}
+    for part in parts:
+        for name, value in part.items():
+            if isinstance(value, dict):
+                total.setdefault(name, Counter()).update(value)
+            else:
+                total[name] = total.get(name, 0) + value
+    return {k: dict(sorted(v.items())) if isinstance(v, Counter) else v
+            for k, v in sorted(total.items())}
+
+
 def _funnel(out: OutputDir, shard_ids: list[int], shards: list[dict[str, Any]]) -> dict:
     download: Counter = Counter()
     for shard_id in shard_ids:
@@ -64,7 +80,10 @@ def build_manifest(out: OutputDir, cfg: PairforgeConfig,
         "config": cfg.model_dump(mode="json"),
         "vocab": vocab,
         "models": {"clip": shards[0].get("clip_model") if shards else None,
-                   "clip_threshold": shards[0].get("clip_threshold") if shards else None},
+                   "clip_threshold": shards[0].get("clip_threshold") if shards else None,
+                   "recaption": (cfg.process.recaption.model
+                                 if cfg.process.recaption.enabled else None)},
+        "recaption": _sum_recaption(shards),
         "budget": {
             "p_drop": cfg.process.tasks.p_drop,
             "target_unconditional_share": cfg.process.tasks.p_drop,

@@ -76,7 +76,8 @@ def _npy(values: list[int], shape: list[int] | None = None) -> bytes:
 
 def _sample(row: dict[str, Any], image: tuple[str, bytes], fields: list[str]) -> dict[str, Any]:
     ext, data = image
-    sample = {"__key__": row["key"], ext: data, "txt": row.get("caption") or "",
+    text = row["train_caption"] if "train_caption" in row else row.get("caption")
+    sample = {"__key__": row["key"], ext: data, "txt": text or "",
               "json": _sample_json(row, fields)}
     if row.get("image_tokens") is not None:
         sample["vq.npy"] = _npy(row["image_tokens"], row["token_grid"])

@@ -16,7 +16,7 @@ from pairforge.pipeline.steps import ModelStep, StepResult
 
 class TokenizeStep(ModelStep):
     name = "tokenize"
-    requires = ("image", "caption")
+    requires = ("image", "caption")  # the training caption: train_caption when recaptioned
     provides = {"image_tokens": pa.list_(pa.int32()), "token_grid": pa.list_(pa.int32()),
                 "n_image_tokens": pa.int32(), "caption_tokens": pa.list_(pa.int32()),
                 "n_caption_tokens": pa.int32()}
@@ -37,8 +37,9 @@ class TokenizeStep(ModelStep):
     def process(self, rows: pa.Table) -> StepResult:
         images = [decode_rgb(b) for b in rows["image"].to_pylist()]
         grids = self.image_tokenizer.encode(images)
+        column = "train_caption" if "train_caption" in rows.column_names else "caption"
         captions = [self.text_tokenizer.encode(c) if c else [] for c in
-                    rows["caption"].to_pylist()]
+                    rows[column].to_pylist()]
         return StepResult(columns={
             "image_tokens": [g.reshape(-1).tolist() for g in grids],
             "token_grid": [list(g.shape) for g in grids],

@@ -1,0 +1,189 @@
+"""Captioning backends: a transformers image-to-text model, or an OpenAI-compatible server.
+
+Both turn a batch of images and one prompt into raw model text; cleaning and the safety
+checks happen in the recaption step, the same for every backend. Decoding is greedy by
+default (a caption has a right answer); ``temperature > 0`` samples.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import random
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from pairforge.config import RecaptionConfig
+
+
+class Captioner(ABC):
+    """Images + prompt -> raw caption text, one per image, in order."""
+
+    @abstractmethod
+    def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
+        """The model's answer for each image."""
+
+    @property
+    @abstractmethod
+    def identity(self) -> dict[str, Any]:
+        """What decides the captions besides the image: keys the recaption cache."""
+
+
+def _generation_settings(cfg: RecaptionConfig) -> dict[str, Any]:
+    return {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
+
+
+def _file_sha256(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else None
+
+
+class TransformersCaptioner(Captioner):
+    """Any ``AutoModelForImageTextToText`` model (BLIP, GIT, Florence-2, SmolVLM/Idefics3,
+    PaliGemma, Qwen2-VL, ...) with its own processor, by hub id or local folder."""
+
+    def __init__(self, cfg: RecaptionConfig, device: str = "cpu") -> None:
+        import torch
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.cfg, self.device = cfg, device
+        self.processor = AutoProcessor.from_pretrained(cfg.model, revision=cfg.revision)
+        tokenizer = getattr(self.processor, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.padding_side = "left"  # batched generation continues every row's end
+        dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
+                 "float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}[cfg.dtype]
+        self.model = AutoModelForImageTextToText.from_pretrained(
+            cfg.model, revision=cfg.revision, dtype=dtype).to(device).eval()
+        self.mode = self._prompt_mode()
+
+    def _prompt_mode(self) -> str:
+        if self.cfg.prompt_mode != "auto":
+            return self.cfg.prompt_mode
+        return "chat" if getattr(self.processor, "chat_template", None) else "none"
+
+    def _inputs(self, images: list[Image.Image], prompt: str) -> dict[str, Any]:
+        if self.mode == "chat":
+            messages = [{"role": "user", "content": [{"type": "image"},
+                                                     {"type": "text", "text": prompt}]}]
+            text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+            # one image per conversation: nested lists are what multi-image processors want
+            return self.processor(text=[text] * len(images), images=[[im] for im in images],
+                                  return_tensors="pt", padding=True)
+        if self.mode == "prefix":
+            return self.processor(images=images, text=[prompt] * len(images),
+                                  return_tensors="pt", padding=True)
+        return self.processor(images=images, return_tensors="pt")
+
+    def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
+        import torch
+
+        inputs = self._inputs(images, prompt).to(self.device)
+        if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        sample = self.cfg.temperature > 0
+        extra = {"do_sample": True, "temperature": self.cfg.temperature} if sample else {
+            "do_sample": False}
+        with torch.inference_mode():
+            output = self.model.generate(**inputs, max_new_tokens=self.cfg.max_new_tokens,
+                                         **extra)
+        prompt_ids = inputs.get("input_ids")
+        if (prompt_ids is not None and not self.model.config.is_encoder_decoder
+                and output.shape[1] >= prompt_ids.shape[1]
+                and torch.equal(output[:, :prompt_ids.shape[1]], prompt_ids)):
+            output = output[:, prompt_ids.shape[1]:]  # decoder-only: drop the prompt
+        return self.processor.batch_decode(output, skip_special_tokens=True)
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        folder = Path(self.cfg.model)
+        return {"backend": "transformers", "model": self.cfg.model,
+                "revision": self.cfg.revision, "prompt_mode": self.mode,
+                "config_sha256": _file_sha256(folder / "config.json"),
+                **_generation_settings(self.cfg)}
+
+
+def data_url(image: Image.Image) -> str:
+    """A base64 JPEG data URL, as chat-completions servers take images."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=95)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+class OpenAICaptioner(Captioner):
+    """A chat-completions endpoint (vLLM, SGLang, TGI): one request per image, ``concurrency``
+    in flight, retries with backoff on timeouts, 429 and 5xx (honouring Retry-After)."""
+
+    RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
+
+    def __init__(self, cfg: RecaptionConfig) -> None:
+        import requests
+        from requests.adapters import HTTPAdapter
+
+        self.cfg, self.server = cfg, cfg.openai
+        self.session = requests.Session()
+        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=self.server.concurrency)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        key = os.environ.get(self.server.api_key_env)
+        if key:
+            self.session.headers["Authorization"] = f"Bearer {key}"
+        self.pool = ThreadPoolExecutor(self.server.concurrency)
+        self.url = self.server.base_url.rstrip("/") + "/chat/completions"
+
+    def _body(self, image: Image.Image, prompt: str) -> dict[str, Any]:
+        return {"model": self.cfg.model, "max_tokens": self.cfg.max_new_tokens,
+                "temperature": self.cfg.temperature,
+                "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(image)}},
+                    {"type": "text", "text": prompt}]}]}
+
+    def _request(self, body: dict[str, Any]) -> str:
+        import requests
+
+        for attempt in range(self.server.retries + 1):
+            last = attempt == self.server.retries
+            try:
+                response = self.session.post(self.url, json=body, timeout=self.server.timeout_s)
+            except (requests.ConnectionError, requests.Timeout):
+                if last:
+                    raise
+                time.sleep(self._backoff(attempt, None))
+                continue
+            if response.status_code in self.RETRY_STATUS and not last:
+                time.sleep(self._backoff(attempt, response.headers.get("Retry-After")))
+                continue
+            response.raise_for_status()
+            return response.json()["choices"][0]["message"]["content"] or ""
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _backoff(attempt: int, retry_after: str | None) -> float:
+        if retry_after and retry_after.replace(".", "", 1).isdigit():
+            return min(float(retry_after), 60.0)
+        return min(0.5 * 2 ** attempt, 30.0) * (0.5 + random.random() / 2)
+
+    def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
+        return list(self.pool.map(self._request, [self._body(im, prompt) for im in images]))
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return {"backend": "openai", "model": self.cfg.model, **_generation_settings(self.cfg)}
+
+
+def load_captioner(cfg: RecaptionConfig, device: str = "cpu") -> Captioner:
+    if cfg.backend == "openai":
+        return OpenAICaptioner(cfg)
+    return TransformersCaptioner(cfg, device)
+
+
+def identity_digest(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,165 @@
+"""The recaption cache: final captions keyed by image, persisted across builds.
+
+Layout: ``CACHE/IDENTITY/BUILD-SHARD.parquet``. ``IDENTITY`` digests everything besides
+the image that decides a caption (backend, model, prompt, decoding, the safety lexicons
+and the grounding settings), so changing any of them starts a fresh cache instead of
+reusing captions made under other rules. Each output shard's writer adds the captions the
+model made for that shard before the shard's stats file, so a complete shard's captions are
+always cached and a crash costs at most the captions of unfinished shards.
+
+Lookup is by exact pixel hash; with ``phash_distance > 0`` also by perceptual hash within
+that Hamming distance (pigeonhole bands), but only for captions that are not abstentions
+and do not mention text: a near-identical photo of a sign may read differently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pairforge.config import PairforgeConfig
+from pairforge.recaption.prompts import DEFAULT_PROMPT
+from pairforge.shards.raw import shard_name
+from pairforge.shards.storage import OutputDir
+
+CACHE_FOLDER = "recaption_cache"
+CACHE_SCHEMA = pa.schema([("pixel_hash", pa.string()), ("phash", pa.uint64()),
+                          ("recaption", pa.string()), ("flags", pa.list_(pa.string())),
+                          ("phash_reusable", pa.bool_())])
+_TEXT_WORDS = re.compile(
+    r"\b(text|texts|word|words|writing|written|letter|letters|lettering|sign|signs|signage|"
+    r"label|labels|logo|logos|poster|posters|banner|banners|menu|menus|book|books|newspaper|"
+    r"magazine|page|pages|screen|screens|title|caption|reads|reading|says|saying|number|"
+    r"numbers|graffiti|license plate|plaque|billboard|document|handwriting|note|notes)\b",
+    re.IGNORECASE)
+
+
+def mentions_text(caption: str | None) -> bool:
+    return bool(caption and _TEXT_WORDS.search(caption))
+
+
+def _folder_digest(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_identity(cfg: PairforgeConfig) -> dict[str, Any]:
+    """Everything besides the image that decides a cached caption."""
+    rc = cfg.process.recaption
+    data = resources.files("pairforge.recaption").joinpath("data")
+    lexicons = [Path(str(p)) for p in data.iterdir() if p.name.endswith(".txt")]
+    for folder in rc.attribute_lexicons:
+        lexicons += sorted(Path(folder).glob("*.txt"))
+    lexicons += [Path(p) for p in rc.grounding.extra_nouns]
+    config_file = Path(rc.model) / "config.json"
+    identity = {"backend": rc.backend, "model": rc.model, "revision": rc.revision,
+                "prompt": rc.prompt or DEFAULT_PROMPT, "prompt_mode": rc.prompt_mode,
+                "max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature,
+                "model_config": (hashlib.sha256(config_file.read_bytes()).hexdigest()[:16]
+                                 if config_file.is_file() else None),
+                "lexicons": _folder_digest(lexicons)}
+    if rc.grounding.enabled:
+        clip = cfg.process.clip
+        identity["grounding"] = {"min_score": rc.grounding.min_score,
+                                 "clip": f"{clip.model}/{clip.pretrained}"}
+    return identity
+
+
+def identity_digest(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_dir(cfg: PairforgeConfig) -> OutputDir:
+    """The folder of this configuration's cache entries."""
+    rc = cfg.process.recaption
+    root = rc.cache.path or f"{cfg.output.path.rstrip('/')}/{CACHE_FOLDER}"
+    return OutputDir(f"{root.rstrip('/')}/{identity_digest(cache_identity(cfg))}",
+                     cfg.output.storage_options)
+
+
+def build_id(cfg: PairforgeConfig) -> str:
+    """Names this build's parts, so builds sharing a cache folder never overwrite each other."""
+    return hashlib.sha256(cfg.output.path.encode()).hexdigest()[:10]
+
+
+@dataclass(frozen=True)
+class CachedCaption:
+    recaption: str | None  # None: the sample abstained
+    flags: tuple[str, ...]
+    phash_reusable: bool
+
+
+def _bands(phash: int, distance: int) -> list[tuple[int, int]]:
+    """(band index, bits): ``distance + 1`` bands, so hashes within ``distance`` share one."""
+    count = distance + 1
+    width = 64 // count
+    bands = []
+    for i in range(count):
+        bits = 64 - i * width if i == count - 1 else width
+        bands.append((i, (phash >> (i * width)) & ((1 << bits) - 1)))
+    return bands
+
+
+class CaptionCache:
+    """Lookups in the cached captions of one identity (read once per actor)."""
+
+    def __init__(self, phash_distance: int = 0) -> None:
+        self.phash_distance = phash_distance
+        self.exact: dict[str, CachedCaption] = {}
+        self.near: dict[tuple[int, int], list[tuple[int, CachedCaption]]] = {}
+
+    @classmethod
+    def load(cls, folder: OutputDir, phash_distance: int = 0) -> CaptionCache:
+        cache = cls(phash_distance)
+        for name in sorted(folder.glob("*.parquet")):
+            with folder.fs.open(folder.path(name), "rb") as f:
+                table = pq.read_table(f, schema=CACHE_SCHEMA)
+            for row in table.to_pylist():
+                cache.add(row["pixel_hash"], row["phash"], CachedCaption(
+                    row["recaption"], tuple(row["flags"] or ()), bool(row["phash_reusable"])))
+        return cache
+
+    def add(self, pixel_hash: str, phash: int | None, entry: CachedCaption) -> None:
+        self.exact[pixel_hash] = entry
+        if self.phash_distance and phash is not None and entry.phash_reusable:
+            for band in _bands(phash, self.phash_distance):
+                self.near.setdefault(band, []).append((phash, entry))
+
+    def lookup(self, pixel_hash: str, phash: int | None) -> tuple[CachedCaption, str] | None:
+        """(entry, "cache") on an exact hit, (entry, "cache_phash") on a near one, or None."""
+        if pixel_hash in self.exact:
+            return self.exact[pixel_hash], "cache"
+        if not self.phash_distance or phash is None:
+            return None
+        for band in _bands(phash, self.phash_distance):
+            for other, entry in self.near.get(band, ()):
+                if (other ^ phash).bit_count() <= self.phash_distance:
+                    return entry, "cache_phash"
+        return None
+
+
+def write_part(cfg: PairforgeConfig, shard_id: int, rows: list[dict[str, Any]]) -> int:
+    """Cache the captions the model made for one shard; returns how many."""
+    made = [r for r in rows if r.get("recaption_origin") == "model"]
+    if not made:
+        return 0
+    folder = cache_dir(cfg)
+    folder.makedirs()
+    table = pa.Table.from_pylist([{
+        "pixel_hash": r["pixel_hash"], "phash": r["phash"], "recaption": r["recaption"],
+        "flags": r["recaption_flags"] or [],
+        "phash_reusable": r["recaption"] is not None and not mentions_text(r["recaption"]),
+    } for r in made], schema=CACHE_SCHEMA)
+    with folder.open_atomic("", f"{build_id(cfg)}-{shard_name(shard_id)}.parquet") as f:
+        pq.write_table(table, f)
+    return len(made)

@@ -1,0 +1,198 @@
+"""The recaption step of stage 3: a VLM caption per image, made safe, cached by image.
+
+For each ok row: the cache (pixel hash, optionally perceptual hash) answers first; else
+the row's image is claimed in the build's claim registry, and only the claimant runs the
+model, so duplicates within a build are captioned once. A generated caption is cleaned
+(one sentence, no boilerplate), passed through the people-attribute filter and the
+grounding check; if the filter could not rewrite it fluently or CLIP does not support one
+of its object nouns, the model tries once more with a stricter prompt, and if that fails
+too the sample abstains (no recaption). The training caption is then chosen (recaption,
+original or a seeded mix) and recorded as ``caption_source``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from PIL import Image
+
+from pairforge.config import ModelPoolConfig, PairforgeConfig
+from pairforge.filters.clip import ClipScorer, decode_rgb, model_device
+from pairforge.pipeline.steps import ModelStep, StepResult
+from pairforge.recaption.backends import load_captioner
+from pairforge.recaption.cache import CachedCaption, CaptionCache, build_id, cache_dir
+from pairforge.recaption.grounding import GroundingChecker, NounLexicon
+from pairforge.recaption.prompts import DEFAULT_PROMPT, STRICT_PROMPT, clean_caption
+from pairforge.recaption.registry import REGISTRY_PREFIX, find_registry
+
+WAIT_FOR_CLAIMANT_S = 600.0
+
+
+def registry_name(cfg: PairforgeConfig) -> str:
+    return REGISTRY_PREFIX + build_id(cfg)
+
+
+def training_caption(choice: str, share: float, seed: int, key: str, original: str | None,
+                     recaption: str | None) -> tuple[str | None, str | None]:
+    """(training caption, caption_source); (None, None) when no caption can be trusted."""
+    if choice == "mix":
+        draw = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big")
+        choice = "recaption" if draw / 2**64 < share else "original"
+    if choice == "original":
+        return (original, "original") if original else (None, None)
+    return (recaption, "recaption") if recaption else (None, None)
+
+
+class RecaptionStep(ModelStep):
+    name = "recaption"
+    requires = ("image", "caption", "pixel_hash", "phash")
+    provides = {"recaption": pa.string(), "recaption_flags": pa.list_(pa.string()),
+                "recaption_origin": pa.string(), "caption_source": pa.string(),
+                "train_caption": pa.string()}
+
+    @classmethod
+    def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
+        return cfg.process.recaption
+
+    def __init__(self, cfg: PairforgeConfig) -> None:
+        from pairforge.recaption.attributes import load_lexicon, neutralize
+
+        super().__init__(cfg)
+        rc = cfg.process.recaption
+        self.neutralize = neutralize
+        device = model_device(rc)
+        self.captioner = load_captioner(rc, device)
+        self.prompt = rc.prompt or DEFAULT_PROMPT
+        self.lexicon = load_lexicon(rc.attribute_lexicons)
+        self.grounding = None
+        if rc.grounding.enabled:
+            self.grounding = GroundingChecker(ClipScorer(cfg.process.clip, device),
+                                              NounLexicon(rc.grounding.extra_nouns),
+                                              rc.grounding.min_score)
+        self.cache = (CaptionCache.load(cache_dir(cfg), rc.cache.phash_distance)
+                      if rc.cache.enabled else CaptionCache())
+        self.registry = find_registry(registry_name(cfg))
+        self.choice = cfg.process.training_caption()
+        self.tasks = cfg.process.tasks
+
+    # -- captioning with the safety checks --------------------------------------------------
+
+    def _check(self, text: str, embedding: np.ndarray | None) -> tuple[str, list[str], list[str]]:
+        """(caption, attribute flags, problems); no problems means the caption is usable."""
+        caption = clean_caption(text, self.prompt)
+        if not caption:
+            return "", [], ["empty"]
+        result = self.neutralize(caption, self.lexicon)
+        flags = [f"attribute:{term}" for term in result.removed]
+        problems = [] if result.fluent else ["not_fluent"]
+        if self.grounding is not None and embedding is not None:
+            unsupported = self.grounding.unsupported(embedding[None], [result.text])[0]
+            problems += [f"ungrounded:{noun}" for noun in unsupported]
+        return result.text, flags, problems
+
+    def caption_images(self, images: list[Image.Image]) -> list[CachedCaption]:
+        """Caption, check, regenerate the failures once with the strict prompt, or abstain."""
+        embeddings: list[Any] = [None] * len(images)
+        if self.grounding is not None:
+            embeddings = list(self.grounding.scorer.embed_images(images))
+        first = [self._check(t, e) for t, e in zip(
+            self.captioner.generate(images, self.prompt), embeddings, strict=True)]
+        retry = [i for i, (_, _, problems) in enumerate(first) if problems]
+        second = dict(zip(retry, (self._check(t, embeddings[i]) for i, t in zip(
+            retry, self.captioner.generate([images[i] for i in retry],
+                                           self.prompt + STRICT_PROMPT) if retry else [],
+            strict=True)), strict=True))
+        results = []
+        for i, (caption, flags, problems) in enumerate(first):
+            if not problems:
+                results.append(CachedCaption(caption, tuple(flags), True))
+                continue
+            caption, flags, again = second[i]
+            tried = [f"regenerated:{p}" for p in problems]
+            if again:
+                results.append(CachedCaption(None, (*tried, *(f"abstained:{p}" for p in again)),
+                                             False))
+            else:
+                results.append(CachedCaption(caption, (*tried, *flags), True))
+        return results
+
+    # -- the batch: cache, claims, generation -----------------------------------------------
+
+    def _claims(self, items: list[tuple[str, str]]) -> list[str]:
+        if self.registry is None:
+            return [k for _, k in items]
+        return self._call(self.registry.claim, items) or [k for _, k in items]
+
+    def _call(self, method: Any, *args: Any) -> Any:
+        """A registry call; a lost registry only costs the within-build sharing."""
+        import ray
+
+        try:
+            return ray.get(method.remote(*args))
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            self.registry = None
+            return None
+
+    def _generate_for(self, rows: pa.Table, indices: list[int]) -> dict[int, CachedCaption]:
+        if not indices:
+            return {}
+        images = [decode_rgb(b) for b in rows["image"].take(indices).to_pylist()]
+        return dict(zip(indices, self.caption_images(images), strict=True))
+
+    def process(self, rows: pa.Table) -> StepResult:
+        keys = rows["key"].to_pylist()
+        hashes = rows["pixel_hash"].to_pylist()
+        phashes = rows["phash"].to_pylist()
+        found: dict[int, tuple[CachedCaption, str]] = {}
+        for i, (h, p) in enumerate(zip(hashes, phashes, strict=True)):
+            hit = self.cache.lookup(h, p)
+            if hit:
+                found[i] = hit
+        todo = [i for i in range(rows.num_rows) if i not in found]
+        leaders = dict(zip(todo, self._claims([(hashes[i], keys[i]) for i in todo]),
+                           strict=True))
+        first_of: dict[str, int] = {}
+        mine = [i for i in todo if leaders[i] == keys[i] and first_of.setdefault(hashes[i], i)
+                == i]
+        made = self._generate_for(rows, mine)
+        found.update((i, (entry, "model")) for i, entry in made.items())
+        if made and self.registry is not None:
+            self._call(self.registry.publish, {hashes[i]: e for i, e in made.items()})
+        self._resolve_followers(rows, [i for i in todo if i not in made], found, first_of)
+        return self._columns(rows, keys, [found[i] for i in range(rows.num_rows)])
+
+    def _resolve_followers(self, rows: pa.Table, followers: list[int],
+                           found: dict[int, tuple[CachedCaption, str]],
+                           first_of: dict[str, int]) -> None:
+        """Rows whose image another row captions: copy, or wait for the other actor."""
+        hashes = rows["pixel_hash"].to_pylist()
+        remote = sorted({hashes[i] for i in followers if hashes[i] not in first_of})
+        published = (self._call(self.registry.wait, remote, WAIT_FOR_CLAIMANT_S) or {}
+                     if remote and self.registry is not None else {})
+        orphans = []
+        for i in followers:
+            h = hashes[i]
+            if h in first_of and first_of[h] in found:
+                found[i] = (found[first_of[h]][0], "build")
+            elif h in published:
+                found[i] = (published[h], "build")
+            else:
+                orphans.append(i)
+        found.update((i, (e, "model")) for i, e in self._generate_for(rows, orphans).items())
+
+    def _columns(self, rows: pa.Table, keys: list[str],
+                 results: list[tuple[CachedCaption, str]]) -> StepResult:
+        originals = rows["caption"].to_pylist()
+        chosen = [training_caption(self.choice, self.tasks.recaption_share, self.tasks.seed,
+                                   k, o, e.recaption)
+                  for k, o, (e, _) in zip(keys, originals, results, strict=True)]
+        return StepResult(columns={
+            "recaption": [e.recaption for e, _ in results],
+            "recaption_flags": [list(e.flags) for e, _ in results],
+            "recaption_origin": [origin for _, origin in results],
+            "caption_source": [source for _, source in chosen],
+            "train_caption": [text for text, _ in chosen],
+        })

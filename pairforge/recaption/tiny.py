@@ -1,0 +1,120 @@
+"""Tiny random-weight captioners built from transformers configs, for tests and benchmarks.
+
+No model hub is reachable here (DESIGN.md section 8), so tests train a byte-level BPE on
+the captions at hand, build a BLIP or GIT model a few hundred kB large around it, and save
+both with ``save_pretrained``: the recaption step then loads the folder through
+``AutoProcessor`` / ``AutoModelForImageTextToText`` exactly as it loads a hub id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+Arch = Literal["blip", "git"]
+Size = Literal["tiny", "base"]
+SPECIALS = {"pad_token": "[PAD]", "bos_token": "[BOS]", "eos_token": "[EOS]",
+            "unk_token": "[UNK]", "mask_token": "[MASK]"}
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def train_tokenizer(captions: Iterable[str], vocab_size: int = 512):  # noqa: ANN201
+    """A byte-level BPE with the specials BLIP and GIT expect, as a fast HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=list(SPECIALS.values()))
+    tokenizer.train_from_iterator([c for c in captions if c], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, cls_token="[BOS]",
+                                   sep_token="[EOS]", **SPECIALS)
+
+
+def _token_ids(tokenizer) -> dict[str, int]:  # noqa: ANN001
+    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+
+
+def _blip(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
+    from transformers import (
+        BlipConfig,
+        BlipForConditionalGeneration,
+        BlipImageProcessor,
+        BlipProcessor,
+    )
+
+    tiny = size == "tiny"
+    vision = dict(TINY, image_size=resolution, patch_size=8, projection_dim=32) if tiny else {
+        "image_size": resolution}
+    text = dict(vocab_size=len(tokenizer), sep_token_id=tokenizer.eos_token_id,
+                **_token_ids(tokenizer))
+    if tiny:
+        text.update(TINY, encoder_hidden_size=32, projection_dim=32, max_position_embeddings=96)
+    model = BlipForConditionalGeneration(BlipConfig(text_config=text, vision_config=vision,
+                                                    **({"projection_dim": 32} if tiny else {})))
+    images = BlipImageProcessor(size={"height": resolution, "width": resolution})
+    return model, BlipProcessor(image_processor=images, tokenizer=tokenizer)
+
+
+def _git(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
+    from transformers import CLIPImageProcessor, GitConfig, GitForCausalLM, GitProcessor
+
+    if size == "tiny":
+        vision = dict(TINY, image_size=resolution, patch_size=8, projection_dim=32)
+        config = GitConfig(vision_config=vision, vocab_size=len(tokenizer),
+                           max_position_embeddings=96, **TINY, **_token_ids(tokenizer))
+    else:  # GIT-base: CLIP ViT-B/16 encoder, 6-layer 768-wide text decoder
+        config = GitConfig(vision_config={"image_size": resolution, "patch_size": 16},
+                           vocab_size=len(tokenizer), **_token_ids(tokenizer))
+    images = CLIPImageProcessor(size={"shortest_edge": resolution},
+                                crop_size={"height": resolution, "width": resolution})
+    return GitForCausalLM(config), GitProcessor(image_processor=images, tokenizer=tokenizer)
+
+
+def save_tiny_captioner(arch: Arch, out_dir: str | Path, captions: Iterable[str],
+                        resolution: int = 32, seed: int = 0, size: Size = "tiny") -> Path:
+    """A random-weight ``arch`` captioner with a tokenizer trained on ``captions``;
+    ``size="base"`` builds the published base architecture (for benchmarks)."""
+    import torch
+
+    torch.manual_seed(seed)
+    tokenizer = train_tokenizer(captions, vocab_size=512 if size == "tiny" else 8192)
+    model, processor = {"blip": _blip, "git": _git}[arch](tokenizer, resolution, size)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+def fit_captioner(folder: str | Path, images: list, captions: list[str], steps: int = 150,
+                  lr: float = 3e-3, batch_size: int = 8, seed: int = 0) -> Path:
+    """Teach a saved tiny captioner ``captions`` for ``images`` (PIL) by plain supervised
+    steps, and save it back: a real model whose generations depend on the image, small
+    enough to train in seconds (tests overfit it on a handful of pairs)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    torch.manual_seed(seed)
+    processor = AutoProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    tokenizer = processor.tokenizer
+    for step in range(steps):
+        pick = [(step * batch_size + i) % len(images) for i in range(batch_size)]
+        batch = processor(images=[images[i] for i in pick], return_tensors="pt")
+        text = tokenizer([f"{tokenizer.bos_token}{captions[i]}{tokenizer.eos_token}"
+                          for i in pick], return_tensors="pt", padding=True,
+                         add_special_tokens=False)
+        labels = text.input_ids.masked_fill(text.attention_mask == 0, -100)
+        loss = model(pixel_values=batch.pixel_values, input_ids=text.input_ids,
+                     attention_mask=text.attention_mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval().save_pretrained(folder)
+    return Path(folder)

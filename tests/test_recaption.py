@@ -1,0 +1,316 @@
+"""The recaption step: backends, cleaning, the cache, grounding and the caption choice.
+
+Models are real and tiny (DESIGN.md section 8): BLIP and GIT built from configs around a
+BPE trained on the spot, saved with ``save_pretrained`` and loaded by path. The stage tests
+teach a tiny BLIP eight captions for eight downloaded photos, so its generations name
+people and objects and the safety checks have something to act on.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import webdataset as wds
+from caption_server import CaptionServer
+from conftest import COCO_CAPTIONS, COCO_IMAGES
+from PIL import Image
+from test_process_stage import tiny_clip, tiny_vq  # noqa: F401 - session fixtures
+
+from pairforge.config import RecaptionConfig, parse_config
+from pairforge.pipeline.process import run_process
+from pairforge.pipeline.runner import run_download
+from pairforge.recaption.backends import OpenAICaptioner, TransformersCaptioner, data_url
+from pairforge.recaption.cache import CachedCaption, CaptionCache, mentions_text
+from pairforge.recaption.grounding import NounLexicon
+from pairforge.recaption.prompts import clean_caption
+from pairforge.recaption.step import training_caption
+from pairforge.recaption.tiny import fit_captioner, save_tiny_captioner
+
+TAUGHT = ["A young woman holding an umbrella next to a dog.",
+          "Two boys riding bicycles on a road.",
+          "A plate of food with a fork and a knife.",
+          "A red bus parked on the street.",
+          "An elderly man sitting on a bench in a park.",
+          "A cat sleeping on a bed.",
+          "A train at the station.",
+          "A pizza on a table."]
+DUPLICATED = [0, 1, 2]  # these photos appear twice in the input list
+
+
+def _coco_captions() -> list[str]:
+    with open(COCO_CAPTIONS, newline="") as f:
+        return [r["caption"] for r in csv.DictReader(f)]
+
+
+def _photos(n: int) -> list[Image.Image]:
+    return [Image.open(p).convert("RGB") for p in sorted(COCO_IMAGES.glob("*.jpg"))[:n]]
+
+
+@pytest.fixture(scope="session")
+def tiny_captioners(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("captioners")
+    return {arch: save_tiny_captioner(arch, root / arch, _coco_captions())
+            for arch in ("blip", "git")}
+
+
+# -- cleaning, choice, nouns, cache: pure functions -------------------------------------------
+
+@pytest.mark.parametrize(("raw", "clean"), [
+    ("The image shows a red bus parked on a street. It is sunny.", "A red bus parked on a street."),
+    ("This is a picture of two dogs", "Two dogs."),
+    ("In this image, we can see a cat on a sofa", "A cat on a sofa."),
+    ("A close-up photo of a keyboard.", "A keyboard."),
+    ("The photo depicts: a kitchen with a stove", "A kitchen with a stove."),
+    ("The scene is calm.", "The scene is calm."),
+    ("A black and white photo of a train station", "A black and white photo of a train station."),
+    ("\x0c\ufffd ?? ", ""),
+])
+def test_clean_caption(raw: str, clean: str) -> None:
+    assert clean_caption(raw) == clean
+
+
+def test_prefix_prompt_echo_is_removed() -> None:
+    assert clean_caption("a photo of a dog on grass", prompt="a photo of") == "A dog on grass."
+
+
+def test_training_caption_choice() -> None:
+    assert training_caption("recaption", 1, 0, "k", "alt", "re") == ("re", "recaption")
+    assert training_caption("recaption", 1, 0, "k", "alt", None) == (None, None)
+    assert training_caption("original", 1, 0, "k", "alt", None) == ("alt", "original")
+    keys = [f"{i:09d}" for i in range(4000)]
+    sources = [training_caption("mix", 0.95, 7, k, "alt", "re")[1] for k in keys]
+    assert abs(sources.count("recaption") / len(keys) - 0.95) < 0.015
+    again = [training_caption("mix", 0.95, 7, k, "alt", "re")[1] for k in keys]
+    assert sources == again  # seeded per key: the same on every worker and rerun
+    other_seed = [training_caption("mix", 0.95, 8, k, "alt", "re")[1] for k in keys]
+    assert sources != other_seed
+
+
+def test_noun_lexicon_phrases_plurals_and_extensions(tmp_path: Path) -> None:
+    lexicon = NounLexicon()
+    assert lexicon.nouns("Two dogs near a fire hydrant and three buses.") == [
+        "dog", "fire hydrant", "bus"]
+    assert lexicon.nouns("Knives, forks and a teddy bear; people and a person.") == [
+        "knife", "fork", "teddy bear"]
+    assert lexicon.nouns("A firework over the hotdog stand.") == []
+    extra = tmp_path / "nouns.txt"
+    extra.write_text("# mine\nhotdog stand\nfirework\n")
+    assert NounLexicon([str(extra)]).nouns("A firework over the hotdog stand.") == [
+        "firework", "hotdog stand"]
+
+
+def test_cache_lookup_exact_near_and_text() -> None:
+    cache = CaptionCache(phash_distance=2)
+    cache.add("a" * 32, 0b1011, CachedCaption("A dog.", (), True))
+    cache.add("b" * 32, 1 << 40, CachedCaption("A stop sign.", (), False))
+    cache.add("c" * 32, 1 << 60, CachedCaption(None, ("abstained:empty",), False))
+    assert cache.lookup("a" * 32, None) == (CachedCaption("A dog.", (), True), "cache")
+    assert cache.lookup("x" * 32, 0b1000)[1] == "cache_phash"  # distance 2
+    assert cache.lookup("x" * 32, 0b0100) is None  # distance 4
+    assert cache.lookup("x" * 32, 1 << 40) is None  # mentions text: exact pixels only
+    assert cache.lookup("x" * 32, 1 << 60) is None  # an abstention: exact pixels only
+    assert cache.lookup("c" * 32, 1 << 60)[0].recaption is None
+    assert mentions_text("A stop sign.") and not mentions_text("A dog on grass.")
+    assert CaptionCache(0).lookup("x" * 32, 0b1011) is None
+
+
+# -- backends ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["blip", "git"])
+def test_transformers_backend_batches_like_single_images(arch, tiny_captioners) -> None:
+    cfg = RecaptionConfig(model=str(tiny_captioners[arch]), max_new_tokens=8)
+    captioner = TransformersCaptioner(cfg)
+    assert type(captioner.model).__name__ == {"blip": "BlipForConditionalGeneration",
+                                              "git": "GitForCausalLM"}[arch]
+    images = _photos(4)
+    batched = captioner.generate(images, "ignored without a chat template")
+    assert batched == [captioner.generate([im], "x")[0] for im in images]
+    assert all(isinstance(t, str) and t for t in batched)
+    prefixed = TransformersCaptioner(cfg.model_copy(update={"prompt_mode": "prefix"}))
+    assert prefixed.generate(images[:2], "a photo of") == [
+        prefixed.generate([im], "a photo of")[0] for im in images[:2]]
+
+
+def test_openai_backend_returns_the_served_models_generations(tiny_captioners) -> None:
+    served = TransformersCaptioner(RecaptionConfig(model=str(tiny_captioners["git"]),
+                                                   max_new_tokens=8))
+    images = _photos(6)
+    with CaptionServer(served, "tiny-git", fail_first=2) as server:
+        client = OpenAICaptioner(RecaptionConfig(
+            backend="openai", model="tiny-git", max_new_tokens=8,
+            openai={"base_url": server.base_url, "concurrency": 3, "retries": 3,
+                    "timeout_s": 30}))
+        answers = client.generate(images, "Describe the image.")
+        assert server.requests == len(images) + 2  # two 503s retried
+        assert 1 <= server.max_in_flight <= 3
+    # what the server's model says about the very pixels it received (JPEG in a data URL)
+    received = [Image.open(io.BytesIO(base64.b64decode(data_url(im).split(",")[1])))
+                for im in images]
+    assert answers == [served.generate([im.convert("RGB")], "x")[0] for im in received]
+
+
+def test_openai_backend_reports_a_wrong_model_name(tiny_captioners) -> None:
+    import requests
+
+    served = TransformersCaptioner(RecaptionConfig(model=str(tiny_captioners["git"])))
+    with CaptionServer(served, "tiny-git") as server:
+        client = OpenAICaptioner(RecaptionConfig(
+            backend="openai", model="other", openai={"base_url": server.base_url}))
+        with pytest.raises(requests.HTTPError, match="404"):
+            client.generate(_photos(1), "x")
+
+
+# -- the step inside stage 3 ----------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def recaption_raw(tmp_path_factory, coco_server, ray_local) -> Path:
+    """Raw shards of 8 photos, 3 of them listed twice (identical pixels), and one 404."""
+    root = tmp_path_factory.mktemp("recaption_raw")
+    names = [p.name for p in sorted(COCO_IMAGES.glob("*.jpg"))[:len(TAUGHT)]]
+    rows = [(coco_server.url("/img/" + n), f"alt text number {i}") for i, n in enumerate(names)]
+    rows += [(rows[i][0], f"another alt text {i}") for i in DUPLICATED]
+    rows.append((coco_server.url("/status/404"), "gone for good"))
+    lines = ["url,caption"] + [f"{u},{c}" for u, c in rows]
+    (root / "in.csv").write_text("\n".join(lines) + "\n")
+    cfg = parse_config({"input": {"path": str(root / "in.csv"), "shard_size": 6},
+                        "output": {"path": str(root / "out")},
+                        "download": {"threads": 4, "allow_addresses": ["127.0.0.1/32"],
+                                     "image": {"image_size": 64}}})
+    run_download(cfg, show_progress=False)
+    return root / "out"
+
+
+def _raw_images(raw_out: Path) -> dict[str, Image.Image]:
+    images = {}
+    for tar in sorted((raw_out / "raw").glob("*.tar")):
+        for sample in wds.WebDataset(str(tar), shardshuffle=False).decode("pil"):
+            images[sample["__key__"]] = sample["jpg"].convert("RGB")
+    return images
+
+
+@pytest.fixture(scope="session")
+def taught_blip(tmp_path_factory, recaption_raw) -> Path:
+    """A tiny BLIP taught TAUGHT[i] for the i-th downloaded photo."""
+    images = _raw_images(recaption_raw)
+    first = [images[k] for k in sorted(images)][:len(TAUGHT)]
+    folder = save_tiny_captioner("blip", tmp_path_factory.mktemp("taught") / "blip",
+                                 TAUGHT + _coco_captions())
+    return fit_captioner(folder, first, TAUGHT, steps=100)
+
+
+def _config(out: Path, blip: Path, clip: dict, vq: str, **recaption) -> dict:
+    return {"input": {"path": "unused"},
+            "output": {"path": str(out)},
+            "ray": {"num_cpus": 2},
+            "dedup": {"enabled": False},  # let the duplicates reach the recaption step
+            "process": {
+                "basic": {"min_image_side": 0, "min_caption_words": 0},
+                "clip": {**clip, "enabled": True, "mode": "score_only", "batch_size": 8},
+                "recaption": {"enabled": True, "model": str(blip), "batch_size": 4,
+                              "max_new_tokens": 24, **recaption},
+                "tokenize": {"enabled": True, "image": {"path_or_id": vq}},
+                "tasks": {"p_drop": 0.25}}}
+
+
+def _fresh(tmp_path: Path, raw_out: Path) -> Path:
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(raw_out / "raw", out / "raw")
+    return out
+
+
+def _rows(out: Path) -> dict[str, dict]:
+    rows = {}
+    for path in sorted((out / "shards").glob("*.parquet")):
+        rows.update({r["key"]: r for r in pq.read_table(path).to_pylist()})
+    return rows
+
+
+def _samples(out: Path) -> dict[str, dict]:
+    urls = [str(p) for p in sorted((out / "shards").glob("*.tar"))]
+    return {s["__key__"]: s for s in wds.WebDataset(urls, shardshuffle=False)}
+
+
+def test_recaption_stage_caches_dedups_filters_and_chooses(
+        tmp_path, recaption_raw, taught_blip, tiny_clip, tiny_vq) -> None:  # noqa: F811
+    shared_cache = tmp_path / "cache"
+    cfg = _config(_fresh(tmp_path / "a", recaption_raw), taught_blip, tiny_clip, tiny_vq,
+                  cache={"path": str(shared_cache)}, grounding={"min_score": -1.0})
+    cfg["process"]["tasks"].update(caption="mix", recaption_share=0.5)
+    out = Path(cfg["output"]["path"])
+    run_process(parse_config(cfg), show_progress=False)
+    rows = _rows(out)
+    assert len(rows) == len(TAUGHT) + len(DUPLICATED) + 1
+    ok = {k: r for k, r in rows.items() if r["status"] == "ok"}
+    assert len(ok) == len(TAUGHT) + len(DUPLICATED)
+    by_url: dict[str, list[dict]] = {}
+    for row in ok.values():
+        by_url.setdefault(row["url"], []).append(row)
+    first = {row["url"]: row for row in sorted(ok.values(), key=lambda r: r["key"])[::-1]}
+    # the taught captions, with people's inferred attributes rewritten away
+    woman = first[min(by_url, key=lambda u: min(r["key"] for r in by_url[u]))]
+    assert woman["recaption"] == "A person holding an umbrella next to a dog."
+    assert {"attribute:gender:woman", "attribute:age:young"} <= set(woman["recaption_flags"])
+    recaptions = sorted(r["recaption"] for r in first.values())
+    assert "A plate of food with a fork and a knife." in recaptions
+    assert all("woman" not in r and " man " not in r and "boys" not in r for r in recaptions)
+    # duplicates were captioned once: 8 model generations, 3 copies within the build
+    origins = [r["recaption_origin"] for r in ok.values()]
+    assert origins.count("model") == len(TAUGHT) and origins.count("build") == len(DUPLICATED)
+    for copies in by_url.values():
+        assert len({r["recaption"] for r in copies}) == 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["recaption"]["origin"] == {"build": 3, "model": 8}
+    assert manifest["recaption"]["rows_with_attributes_removed"] >= 3
+    # the seeded mix decides each sample's training caption; the tar trains on it
+    samples = _samples(out)
+    for key, row in ok.items():
+        text, source = training_caption("mix", 0.5, 0, key, row["caption"], row["recaption"])
+        assert (row["caption_source"], row["train_caption"]) == (source, text)
+        assert samples[key]["txt"].decode() == text
+        meta = json.loads(samples[key]["json"])
+        assert meta["caption_source"] == source and meta["recaption"] == row["recaption"]
+        tokens = np.load(io.BytesIO(samples[key]["tok.npy"]))
+        assert bytes(tokens.astype(np.uint8)).decode() == text  # the byte tokenizer
+    assert {r["caption_source"] for r in ok.values()} == {"recaption", "original"}
+
+    # a second build over the same inputs, sharing the cache: no generation at all
+    again = _config(_fresh(tmp_path / "b", recaption_raw), taught_blip, tiny_clip, tiny_vq,
+                    cache={"path": str(shared_cache)}, grounding={"min_score": -1.0})
+    out_b = Path(again["output"]["path"])
+    run_process(parse_config(again), show_progress=False)
+    second = _rows(out_b)
+    assert [r["recaption_origin"] for r in second.values() if r["status"] == "ok"] == [
+        "cache"] * len(ok)
+    assert {k: r["recaption"] for k, r in second.items()} == {
+        k: r["recaption"] for k, r in rows.items()}
+    stats = json.loads((out_b / "manifest.json").read_text())["recaption"]
+    assert stats["origin"] == {"cache": len(ok)}
+
+
+def test_unsupported_nouns_regenerate_then_abstain_to_img(
+        tmp_path, recaption_raw, taught_blip, tiny_clip, tiny_vq) -> None:  # noqa: F811
+    # no noun can reach a cosine similarity of 1.5: every caption naming an object fails
+    cfg = _config(_fresh(tmp_path, recaption_raw), taught_blip, tiny_clip, tiny_vq,
+                  cache={"enabled": False}, grounding={"min_score": 1.5})
+    out = Path(cfg["output"]["path"])
+    run_process(parse_config(cfg), show_progress=False)
+    ok = [r for r in _rows(out).values() if r["status"] == "ok"]
+    assert ok and all(r["recaption"] is None for r in ok)
+    for row in ok:
+        flags = row["recaption_flags"]
+        assert any(f.startswith("regenerated:ungrounded:") for f in flags)
+        assert any(f.startswith("abstained:ungrounded:") for f in flags)
+        assert row["task"] == "img" and row["caption_source"] is None
+        assert row["n_caption_tokens"] == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["recaption"]["abstained"] == len(ok)
+    assert set(manifest["totals"]["tasks"]) == {"img"}
