@@ -1,0 +1,147 @@
+"""Caption -> image with classifier-free guidance, image -> caption greedily, a PNG sheet.
+
+The unconditional branch of CFG is the image prefix right after ``[EOS] [SOV]``: exactly the
+context of i2t (and img) training examples, which is why the replacement recipe keeps
+that branch alive without caption dropout. Generated codes go through the dataset's VQ
+decoder; captions through its text tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+from pairforge.tokenizers.vocab import VocabLayout
+from pairforge.train.config import TrainConfig
+from pairforge.train.data import open_datasets, read_samples
+from pairforge.train.loop import CHECKPOINT
+from pairforge.train.model import Transformer
+
+TILE = 160
+TEXT_LINES = 5
+LINE_HEIGHT = 12
+
+
+def load_model(run: str | Path) -> tuple[Transformer, VocabLayout, TrainConfig]:
+    """The model of a training run folder (or a checkpoint file), in eval mode on CPU."""
+    path = Path(run)
+    data = torch.load(path / CHECKPOINT if path.is_dir() else path, map_location="cpu",
+                      weights_only=False)
+    cfg = TrainConfig.model_validate(data["config"])
+    layout = VocabLayout.from_manifest(data["layout"])
+    model = Transformer(cfg.model, layout.total_size)
+    model.load_state_dict(data["model"])
+    return model.eval(), layout, cfg
+
+
+def _last_logits(model: Transformer, context: list[int]) -> torch.Tensor:
+    return model(torch.tensor([context], dtype=torch.int64))[0, -1].float()
+
+
+@torch.no_grad()
+def generate_image_codes(model: Transformer, layout: VocabLayout, caption: list[int],
+                         n_tokens: int, cfg_scale: float = 3.0, temperature: float = 1.0,
+                         top_k: int = 0, generator: torch.Generator | None = None) -> np.ndarray:
+    """n_tokens image codes for a caption: logits = u + s * (c - u), image codes only.
+    cond context: [EOS] c [SOV] x_<t; uncond context: [EOS] [SOV] x_<t."""
+    cond = [layout.eos, *caption, layout.sov]
+    uncond = [layout.eos, layout.sov]
+    lo, hi = layout.image_offset, layout.sov
+    for _ in range(n_tokens):
+        c = _last_logits(model, cond)[lo:hi]
+        u = _last_logits(model, uncond)[lo:hi] if cfg_scale != 1.0 else c
+        logits = (u + cfg_scale * (c - u)) / max(temperature, 1e-6)
+        if top_k:
+            kth = torch.topk(logits, min(top_k, len(logits))).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        code = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+        cond.append(lo + code)
+        uncond.append(lo + code)
+    return np.asarray(cond[len(caption) + 2:], dtype=np.int64) - lo
+
+
+@torch.no_grad()
+def caption_codes(model: Transformer, layout: VocabLayout, codes: np.ndarray,
+                  max_tokens: int = 64) -> list[int]:
+    """Greedy caption after [EOS] [SOV] x [EOV]: text ids only, until EOS."""
+    context = [layout.eos, layout.sov, *layout.image_ids(np.asarray(codes).reshape(-1)).tolist(),
+               layout.eov]
+    allowed = torch.full((layout.total_size,), float("-inf"))
+    allowed[:layout.text_vocab_size] = 0
+    allowed[layout.eos] = 0
+    out: list[int] = []
+    room = model.cfg.max_seq_len - len(context)
+    for _ in range(min(max_tokens, room)):
+        token = int(torch.argmax(_last_logits(model, context) + allowed))
+        if token == layout.eos:
+            break
+        out.append(token)
+        context.append(token)
+    return out
+
+
+def _tokenizers(cfg: TrainConfig) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """The dataset's text and image tokenizers (from its manifest) and held-out samples."""
+    from pairforge.tokenizers.registry import load_image_tokenizer, load_text_tokenizer
+
+    datasets = open_datasets(cfg.data)
+    manifest = next(iter(datasets.manifests.values()))
+    tokenize = manifest["config"]["process"]["tokenize"]
+    image = load_image_tokenizer({**tokenize["image"], "device": "cpu"})
+    text = load_text_tokenizer(tokenize["text"])
+    shards = datasets.heldout or datasets.train
+    held = list(read_samples({"url": s.url} for s in shards))
+    return text, image, held
+
+
+def sheet(rows: list[list[tuple[Image.Image, str]]]) -> Image.Image:
+    """Rows of (image, text) tiles."""
+    columns = max(len(r) for r in rows)
+    tile_h = TILE + TEXT_LINES * LINE_HEIGHT + 8
+    out = Image.new("RGB", (columns * TILE, len(rows) * tile_h), "white")
+    draw = ImageDraw.Draw(out)
+    font = ImageFont.load_default()
+    for r, row in enumerate(rows):
+        for c, (image, text) in enumerate(row):
+            x, y = c * TILE, r * tile_h
+            out.paste(image.convert("RGB").resize((TILE - 8, TILE - 8), Image.Resampling.NEAREST),
+                      (x + 4, y + 4))
+            for j, line in enumerate(textwrap.wrap(text, TILE // 6)[:TEXT_LINES]):
+                draw.text((x + 4, y + TILE + j * LINE_HEIGHT), line, fill="black", font=font)
+    return out
+
+
+def sample_run(run: str | Path, output: str, prompts: list[str] | None = None, n: int = 8,
+               cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 0,
+               seed: int = 0) -> dict[str, Any]:
+    """Images for the prompts (default: held-out captions), captions for held-out images;
+    writes the PNG sheet and ``output`` with .json holding prompts and captions."""
+    model, layout, cfg = load_model(run)
+    text, image, held = _tokenizers(cfg)
+    held = held[:n]
+    prompts = prompts or [text.decode(s["caption"].tolist()) for s in held if len(s["caption"])]
+    grid = image.grid_shape(image.resolution, image.resolution)
+    generator = torch.Generator().manual_seed(seed)
+    codes = [generate_image_codes(model, layout, text.encode(p), grid[0] * grid[1], cfg_scale,
+                                  temperature, top_k, generator).reshape(grid) for p in prompts]
+    drawn = image.decode([c.astype(np.int32) for c in codes])
+    captions = [{"key": s["key"], "reference": text.decode(s["caption"].tolist()),
+                 "generated": text.decode(caption_codes(model, layout, s["codes"]))}
+                for s in held]
+    recon = image.decode([np.asarray(s["codes"], np.int32) for s in held])
+    rows = [[(im, f"prompt: {p}") for im, p in zip(drawn, prompts, strict=True)],
+            [(im, f"model: {c['generated']} | ref: {c['reference']}")
+             for im, c in zip(recon, captions, strict=True)]]
+    sheet([r for r in rows if r]).save(output)
+    result = {"cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k, "seed": seed,
+              "images": [{"prompt": p, "codes": c.tolist()} for p, c in
+                         zip(prompts, codes, strict=True)],
+              "captions": captions, "json": str(Path(output).with_suffix(".json"))}
+    Path(result["json"]).write_text(json.dumps(result, indent=2))
+    return result
