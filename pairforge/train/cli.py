@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -34,6 +35,8 @@ def train(config: Annotated[Path, typer.Argument(help="train YAML config")],
     except (ConfigError, VocabMismatch, FileNotFoundError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+    if os.environ.get("RANK", "0") != "0":
+        return  # under torchrun, rank 0 speaks for the run
     final = report["final"]["heldout"] or report["final"]["train"]
     typer.echo(json.dumps({k: final[k] for k in ("loss", "L_I|T", "L_I|0", "L_T|I")}))
 
