@@ -51,6 +51,9 @@ class RayConfig(Strict):
     object_store_memory: int = Field(512 * 1024**2, gt=0,
                                      description="local Ray only: bytes of object store")
     max_task_retries: int = Field(3, ge=0, description="retries of a task lost with its node")
+    runtime_env: dict[str, Any] | None = Field(
+        None, description="Ray runtime_env for every worker (e.g. env_vars with storage "
+        "credentials, pip, working_dir); nodes that already have pairforge need none")
 
 
 class ImageConfig(Strict):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import posixpath
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +39,7 @@ from pairforge.filters.dedup import (
 )
 from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.records import HASH_COLUMNS
+from pairforge.shards.storage import atomic_writer
 
 DUPLICATES_FILE = "duplicates.parquet"
 STATS_FILE = "dedup_stats.json"
@@ -78,6 +78,7 @@ def _expand(fs: fsspec.AbstractFileSystem, pattern: str) -> list[str]:
 
 def _raw_files(raw_dir: str, storage_options: dict[str, Any]) -> list[str]:
     fs, root = fsspec.core.url_to_fs(raw_dir, **storage_options)
+    fs.invalidate_cache()  # object stores: the shards were written by other processes
     files = _expand(fs, posixpath.join(root, "*.parquet"))
     if not files:
         raise FileNotFoundError(f"no raw shard parquet files in {raw_dir}")
@@ -132,11 +133,9 @@ def ray_mapper(retries: int) -> Callable[[np.ndarray, BandPlan], list[NearPairs]
 
 
 def _write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Temp name, then rename: a reader never sees a half-written file."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with fs.open(tmp, "wb") as handle:
+    """A reader never sees a half-written file: rename on disk, whole upload on S3."""
+    with atomic_writer(fs, path) as handle:
         handle.write(data)
-    fs.mv(tmp, path)
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:
@@ -174,6 +173,7 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
     """
     opts = dict(storage_options or {})
     fs, root = fsspec.core.url_to_fs(out_dir, **opts)
+    fs.invalidate_cache()
     stats_path = posixpath.join(root, STATS_FILE)
     if not force and fs.exists(stats_path):
         return _load_stats(fs, stats_path)

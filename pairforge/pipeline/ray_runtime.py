@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from pairforge.config import RayConfig
 
@@ -50,7 +51,7 @@ def init_ray(cfg: RayConfig) -> None:
         os.environ.setdefault(name, value)
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     common = dict(logging_level=logging.ERROR, log_to_driver=False,
-                  configure_logging=True)
+                  configure_logging=True, runtime_env=cfg.runtime_env)
     with _stderr_silenced():
         if address:
             ray.init(address=address, **common)
@@ -64,6 +65,16 @@ def init_ray(cfg: RayConfig) -> None:
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
+
+
+def driver_local_actor(cls: type, *args: Any) -> Any:
+    """A zero-CPU actor on the driver's own node: it lives exactly as long as the driver,
+    so losing a worker node cannot take it (and the stage with it) down."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0)(cls).options(scheduling_strategy=here).remote(*args)
 
 
 def shutdown_ray() -> None:

@@ -18,7 +18,7 @@ from pairforge.pipeline.inputs import (
     split_shards,
 )
 from pairforge.pipeline.progress import ProgressCounter, StageDisplay
-from pairforge.pipeline.ray_runtime import init_ray
+from pairforge.pipeline.ray_runtime import driver_local_actor, init_ray
 from pairforge.pipeline.sample_server import bundled_sample_table, serve_directory
 from pairforge.shards.raw import completed_shards, stats_name
 from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir
@@ -52,7 +52,9 @@ def run_download(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, 
         done = completed_shards(out, RAW_FOLDER)
         todo = [s for s in shards if s.shard_id not in done]
         init_ray(cfg.ray)
-        counter = ray.remote(num_cpus=0)(ProgressCounter).remote()
+        counter = driver_local_actor(ProgressCounter)
+        # Retried by Ray when the task's worker or node dies (system failures only: a
+        # Python exception in the task fails the stage, it is not a node loss).
         task = ray.remote(num_cpus=1, max_retries=cfg.ray.max_task_retries)(_download_task)
         limit = cfg.download.processes or max(1, int(ray.cluster_resources().get("CPU", 1)))
         skipped = len(shards) - len(todo)
@@ -69,6 +71,9 @@ def run_download(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, 
             _run_bounded(todo, lambda s: task.remote(s, cfg, counter), limit, tick)
         ray.kill(counter)
         seconds = time.time() - started
+    # A task attempt killed with its node leaves its temporary file; its retry wrote the
+    # shard under another temporary name. Nothing of this run is still writing now.
+    out.remove_temporaries(RAW_FOLDER)
     summary = summarise(out, RAW_FOLDER, [s.shard_id for s in shards])
     return {**summary, "shards_skipped": skipped, "seconds": round(seconds, 2),
             "rows_per_s": round(rows_todo / seconds, 1) if rows_todo else None}

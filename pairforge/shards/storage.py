@@ -1,9 +1,13 @@
 """Output folders on any fsspec filesystem, with writes a reader never sees half-done.
 
 Local disk: write under a unique temporary name in the same folder, then rename (atomic
-on POSIX). Object stores: an object appears whole only when its upload completes, so the
-final name is written directly. Either way a shard counts as complete only once its
-``*_stats.json`` exists, and that file is always written last.
+on POSIX). Object stores (S3, GCS, ...) have no rename, but an object appears whole only
+when its upload completes (a one-shot PUT, or CompleteMultipartUpload for big ones), so
+the final name is written directly and the upload happens on close. A writer that fails
+aborts its upload instead of closing, and a killed writer never completes it, so no
+object is ever half there. Either way a shard counts as complete only once its
+``*_stats.json`` exists, and that file is always written last: a whole tar without its
+stats file (a writer killed between the two) is redone by the next run.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 import fsspec
+from fsspec.spec import AbstractBufferedFile
 
 TEMP_MARK = ".tmp-"
 # The folders under OUT (DESIGN.md section 4), named once here.
@@ -43,10 +48,19 @@ class OutputDir:
         self.fs.makedirs(self.path(*parts), exist_ok=True)
 
     def exists(self, *parts: str) -> bool:
+        self._forget_listings()
         return self.fs.exists(self.path(*parts))
 
     def glob(self, pattern: str) -> list[str]:
+        self._forget_listings()
         return sorted(posixpath.basename(p) for p in self.fs.glob(self.path(pattern)))
+
+    def _forget_listings(self) -> None:
+        # Object-store filesystems cache listings per process; other processes (Ray
+        # workers on any node) add shards all the time, so completeness is always asked
+        # of the store itself.
+        if not self.local:
+            self.fs.invalidate_cache()
 
     def remove(self, *parts: str) -> None:
         if self.exists(*parts):
@@ -55,7 +69,7 @@ class OutputDir:
     def remove_temporaries(self, *parts: str) -> int:
         """Delete temporary files a killed run left behind; returns how many."""
         folder = self.path(*parts)
-        if not self.fs.exists(folder):
+        if not self.exists(*parts):
             return 0
         leftovers = [p for p in self.fs.ls(folder, detail=False)
                      if TEMP_MARK in posixpath.basename(p)]
@@ -66,19 +80,8 @@ class OutputDir:
     @contextmanager
     def open_atomic(self, *parts: str) -> Iterator[IO[bytes]]:
         """Open for writing; the file shows up under its name only if the block succeeds."""
-        final = self.path(*parts)
-        if not self.local:
-            with self.fs.open(final, "wb") as f:
-                yield f
-            return
-        temp = f"{final}{TEMP_MARK}{uuid.uuid4().hex[:8]}"
-        try:
-            with self.fs.open(temp, "wb") as f:
-                yield f
-            self.fs.mv(temp, final)
-        finally:
-            if self.fs.exists(temp):
-                self.fs.rm(temp)
+        with atomic_writer(self.fs, self.path(*parts), self.local) as f:
+            yield f
 
     def write_json(self, data: Any, *parts: str) -> None:
         with self.open_atomic(*parts) as f:
@@ -87,6 +90,52 @@ class OutputDir:
     def read_json(self, *parts: str) -> Any:
         with self.fs.open(self.path(*parts), "rb") as f:
             return json.loads(f.read())
+
+
+@contextmanager
+def atomic_writer(fs: fsspec.AbstractFileSystem, path: str,
+                  local: bool | None = None) -> Iterator[IO[bytes]]:
+    """Write ``path`` so that it exists whole or not at all (see the module docstring)."""
+    if local is None:
+        local = "file" in _protocols(fs)
+    if not local:
+        with _whole_object(fs, path) as f:
+            yield f
+        return
+    temp = f"{path}{TEMP_MARK}{uuid.uuid4().hex[:8]}"
+    try:
+        with fs.open(temp, "wb") as f:
+            yield f
+        fs.mv(temp, path)
+    finally:
+        if fs.exists(temp):
+            fs.rm(temp)
+
+
+@contextmanager
+def _whole_object(fs: fsspec.AbstractFileSystem, path: str) -> Iterator[IO[bytes]]:
+    """The object is uploaded on close, so close only when the block succeeded: fsspec's
+    own ``with`` would close, and so publish, a half-written object after an error."""
+    f = fs.open(path, "wb")
+    try:
+        yield f
+    except BaseException:
+        _abandon(fs, path, f)
+        raise
+    f.close()
+
+
+def _abandon(fs: fsspec.AbstractFileSystem, path: str, f: IO[bytes]) -> None:
+    if isinstance(f, AbstractBufferedFile):
+        f.discard()  # s3fs/gcsfs: aborts a started multipart upload; nothing was PUT
+        f.closed = True  # skip close(): it would flush, i.e. upload what we have
+        return
+    # A file class we do not know: it may publish on close, so remove what it published.
+    try:
+        f.close()
+    finally:
+        if fs.exists(path):
+            fs.rm(path)
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
