@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import re
 
+from pairforge.recaption.attributes import STRICT_PROMPT_SUFFIX
+
 DEFAULT_PROMPT = ("Describe what is clearly visible in this image in one sentence. Mention the "
                   "main objects, their colours and what is happening. Do not guess anything "
                   "that cannot be seen.")
 # Added on the second try, when the first caption failed a safety check.
-STRICT_PROMPT = (" Refer to every human only as 'a person' or 'people'; never state or guess "
-                 "gender, age, ethnicity, nationality, religion, disability or occupation. "
-                 "Name only objects that are plainly in view.")
+STRICT_PROMPT = (" " + STRICT_PROMPT_SUFFIX
+                 + " Name only objects that are plainly in view.")
 
 # "The image shows", "This is a close-up photo of", "In this picture, we can see", ...
 _MEDIUM = r"(?:image|picture|photo|photograph|pic|scene|shot|snapshot|illustration|frame)"

@@ -118,3 +118,25 @@ def fit_captioner(folder: str | Path, images: list, captions: list[str], steps: 
         optimizer.step()
     model.eval().save_pretrained(folder)
     return Path(folder)
+
+
+def main() -> None:
+    """python -m pairforge.recaption.tiny IMAGES_DIR CAPTIONS_CSV OUT [STEPS]: the captioner
+    shipped for the offline demo (pairforge/sample/captioner), taught the bundled sample."""
+    import csv
+    import sys
+
+    from PIL import Image
+
+    images_dir, captions_csv, out = (Path(a) for a in sys.argv[1:4])
+    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 400
+    with open(captions_csv, newline="") as f:
+        pairs = [(r["filename"], r["caption"]) for r in csv.DictReader(f)]
+    captions = [c for _, c in pairs]
+    images = [Image.open(images_dir / name).convert("RGB") for name, _ in pairs]
+    save_tiny_captioner("blip", out, captions, resolution=64)
+    fit_captioner(out, images, captions, steps=steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -45,6 +45,14 @@ def _models(manifest: dict[str, Any]) -> Text:
     lines = [f"CLIP: {manifest['models'].get('clip') or 'not used'}"
              + (f" (threshold {manifest['models']['clip_threshold']:.4f})"
                 if manifest["models"].get("clip_threshold") is not None else "")]
+    recaption = manifest.get("recaption")
+    if recaption:
+        origin = ", ".join(f"{k} {v:,}" for k, v in recaption["origin"].items())
+        source = ", ".join(f"{k} {v:,}" for k, v in recaption["caption_source"].items())
+        lines.append(f"recaption: {manifest['models'].get('recaption')}; {recaption['rows']:,} "
+                     f"rows ({origin}); abstained {recaption['abstained']:,}, attributes "
+                     f"removed in {recaption['rows_with_attributes_removed']:,}, regenerated "
+                     f"{recaption['regenerated']:,}; training caption: {source}")
     if vocab:
         image, text = vocab["image_tokenizer"], vocab["text_tokenizer"]
         lines.append(f"image tokenizer: {image.get('backend')} {image.get('model')} "

@@ -1,8 +1,8 @@
 """`pairforge show`: a contact sheet of training samples, with VQ reconstructions.
 
 Each tile shows the image, beside it what the image tokenizer's decoder makes of its
-codes (when the tokenizer has a decoder), and below them the task, CLIP score and the
-training caption.
+codes (when the tokenizer has a decoder), and below them the task, CLIP score, which
+caption trains (recaption or original) and that caption.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def contact_sheet(samples: list[dict[str, Any]], recons: list[Image.Image | None
         meta = sample["json"]
         score = meta.get("clip_score")
         head = f"{sample['__key__']} {meta.get('task') or ''}" + (
-            f" clip {score:.3f}" if score is not None else "")
+            f" clip {score:.3f}" if score is not None else "") + (
+            f" [{meta['caption_source']}]" if meta.get("caption_source") else "")
         lines = [head, *textwrap.wrap(sample["txt"], width=tile_w // 7)][:TEXT_LINES]
         for j, line in enumerate(lines):
             draw.text((x + 4, y + TILE + 4 + j * LINE_HEIGHT), line, fill="black", font=font)
