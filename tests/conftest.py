@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from cluster_utils import (
+    LocalCluster,
+    MotoServer,
+    build_config,
+    finish,
+    start_build,
+    write_coco_input,
+)
 from loopback_server import LoopbackServer, make_images
 
 
@@ -53,3 +63,57 @@ def coco_server() -> Iterator[LoopbackServer]:
     """The COCO sample photos on 127.0.0.1, for the whole session."""
     with LoopbackServer(COCO_IMAGES, "127.0.0.1") as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[MotoServer]:
+    """moto's standalone S3 server on 127.0.0.1 (a real S3 endpoint, no AWS anywhere)."""
+    with MotoServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_server: MotoServer) -> Iterator[LocalCluster]:
+    """Three Ray nodes started as separate processes on loopback: the head (1 CPU), "gpu"
+    (1 CPU and one `gpu_like`, where model pools must go) and "cpu" (1 CPU). Every node
+    can reach the S3 server and nothing else (AWS_ENDPOINT_URL, no IMDS)."""
+    nodes = {"head": (1, {}), "gpu": (1, {"gpu_like": 1}), "cpu": (1, {})}
+    with LocalCluster(nodes, env=s3_server.env) as cluster:
+        yield cluster
+
+
+CLUSTER_IMAGES = 30  # COCO photos in the cluster builds
+CLUSTER_SHARD_SIZE = 5
+
+
+@pytest.fixture(scope="session")
+def s3_cluster_build(ray_cluster: LocalCluster, s3_server: MotoServer,
+                     coco_server: LoopbackServer, tmp_path_factory: pytest.TempPathFactory
+                     ) -> dict[str, Any]:
+    """One uninterrupted `pairforge build` on the three-node cluster, input list read from
+    and every output written to S3 (s3://BUCKET/in.csv -> s3://BUCKET/out), and Ray's own
+    record of where its tasks and actors ran. tests/test_cluster.py and tests/test_s3.py
+    both check it; the node-loss test compares its own build against this one."""
+    import fsspec
+
+    folder = tmp_path_factory.mktemp("s3_cluster_build")
+    bucket = "pairforge-cluster"
+    fs = fsspec.filesystem("s3", **s3_server.storage_options)
+    fs.mkdir(bucket)
+    fs.put_file(str(write_coco_input(folder, coco_server.base_url, COCO_CAPTIONS,
+                                     CLUSTER_IMAGES, hold_s=0.6)), f"{bucket}/in.csv")
+    cfg = build_config(f"s3://{bucket}/in.csv", f"s3://{bucket}/out", ray_cluster.address,
+                       CLUSTER_SHARD_SIZE, s3_server.storage_options)
+    started = time.monotonic()
+    # The driver gets the S3 env too: whatever it opens, nothing may reach AWS.
+    done = finish(start_build(ray_cluster, cfg, folder / "run", s3_server.env))
+    assert done.returncode == 0, done.stderr[-4000:]
+    seconds = time.monotonic() - started
+    placement = ray_cluster.placement()
+    jobs = {t["job"] for t in placement["tasks"] if t["name"] == "_download_task"}
+    assert len(jobs) == 1, jobs
+    job = jobs.pop()
+    return {"cfg": cfg, "bucket": bucket, "out": f"s3://{bucket}/out", "folder": folder,
+            "seconds": seconds, "job": job,
+            "tasks": [t for t in placement["tasks"] if t["job"] == job],
+            "actors": [a for a in placement["actors"] if a["job"] == job]}
