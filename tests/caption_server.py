@@ -12,6 +12,7 @@ import base64
 import io
 import json
 import threading
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -24,6 +25,7 @@ class CaptionServer:
     def __init__(self, captioner: Captioner, model_name: str, fail_first: int = 0) -> None:
         self.captioner, self.model_name, self.fail_first = captioner, model_name, fail_first
         self.requests = 0
+        self.prompts: Counter[str] = Counter()
         self.max_in_flight = 0
         self._in_flight = 0
         self._lock = threading.Lock()
@@ -51,6 +53,7 @@ class CaptionServer:
         prompt = next(c["text"] for c in content if c["type"] == "text")
         image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
         with self._model_lock:
+            self.prompts[prompt] += 1
             text = self.captioner.generate([image], prompt)[0]
         return 200, {"object": "chat.completion", "model": self.model_name,
                      "choices": [{"index": 0, "finish_reason": "stop",

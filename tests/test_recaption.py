@@ -298,13 +298,25 @@ def test_recaption_stage_caches_dedups_filters_and_chooses(
 
 def test_unsupported_nouns_regenerate_then_abstain_to_img(
         tmp_path, recaption_raw, taught_blip, tiny_clip, tiny_vq) -> None:  # noqa: F811
-    # no noun can reach a cosine similarity of 1.5: every caption naming an object fails
-    cfg = _config(_fresh(tmp_path, recaption_raw), taught_blip, tiny_clip, tiny_vq,
-                  cache={"enabled": False}, grounding={"min_score": 1.5})
-    out = Path(cfg["output"]["path"])
-    run_process(parse_config(cfg), show_progress=False)
+    """Through the OpenAI-compatible backend: a server on 127.0.0.1 serves the taught BLIP."""
+    from pairforge.recaption.prompts import DEFAULT_PROMPT, STRICT_PROMPT
+
+    served = TransformersCaptioner(RecaptionConfig(model=str(taught_blip), max_new_tokens=24))
+    with CaptionServer(served, "taught-blip") as server:
+        # no noun can reach a cosine similarity of 1.5: every caption naming an object fails
+        cfg = _config(_fresh(tmp_path, recaption_raw), taught_blip, tiny_clip, tiny_vq,
+                      cache={"enabled": False}, grounding={"min_score": 1.5})
+        cfg["process"]["recaption"].update(
+            backend="openai", model="taught-blip",
+            openai={"base_url": server.base_url, "concurrency": 2})
+        out = Path(cfg["output"]["path"])
+        run_process(parse_config(cfg), show_progress=False)
+    # each distinct photo asked twice (the strict retry), its duplicates not at all
+    assert server.prompts == {DEFAULT_PROMPT: len(TAUGHT),
+                              DEFAULT_PROMPT + STRICT_PROMPT: len(TAUGHT)}
     ok = [r for r in _rows(out).values() if r["status"] == "ok"]
-    assert ok and all(r["recaption"] is None for r in ok)
+    assert len(ok) == len(TAUGHT) + len(DUPLICATED)
+    assert all(r["recaption"] is None for r in ok)
     for row in ok:
         flags = row["recaption_flags"]
         assert any(f.startswith("regenerated:ungrounded:") for f in flags)
@@ -313,4 +325,6 @@ def test_unsupported_nouns_regenerate_then_abstain_to_img(
         assert row["n_caption_tokens"] == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["recaption"]["abstained"] == len(ok)
+    # one flag per unsupported noun: the taught captions name one to three objects each
+    assert manifest["recaption"]["flags"]["abstained:ungrounded"] >= len(ok)
     assert set(manifest["totals"]["tasks"]) == {"img"}

@@ -40,7 +40,7 @@ def decode_caption(raw: bytes | None, required: bool) -> tuple[str | None, str |
     return text, None
 
 
-def _read_tar_members(sources: list[str]) -> dict[str, bytes]:
+def _read_tar_members(sources: list[str], storage_options: dict[str, Any]) -> dict[str, bytes]:
     """Bytes of every ``tar:LOCATION#MEMBER`` source, one sequential pass per tar."""
     wanted: dict[str, set[str]] = defaultdict(set)
     for source in sources:
@@ -48,7 +48,8 @@ def _read_tar_members(sources: list[str]) -> dict[str, bytes]:
         wanted[location].add(member)
     found: dict[str, bytes] = {}
     for location, members in wanted.items():
-        with fsspec.open(location, "rb") as f, tarfile.open(fileobj=f, mode="r|*") as tar:
+        with (fsspec.open(location, "rb", **storage_options) as f,
+              tarfile.open(fileobj=f, mode="r|*") as tar):
             for info in tar:
                 if info.name in members:
                     found[f"tar:{location}#{info.name}"] = tar.extractfile(info).read()
@@ -67,7 +68,7 @@ class ShardDownloader:
         if source.startswith("tar:"):
             return FetchResult(Status.OK, None, self.tar_bytes[source], None, source)
         try:
-            with fsspec.open(source, "rb") as f:
+            with fsspec.open(source, "rb", **self.cfg.input.storage_options) as f:
                 return FetchResult(Status.OK, None, f.read(), None, source)
         except OSError as err:
             return FetchResult(Status.DOWNLOAD_ERROR, f"cannot read {source}: {err}",
@@ -114,7 +115,8 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig,
         row["key"] = make_key(shard.shard_id, i, digits)
     fetcher = Fetcher(cfg.download)
     worker = ShardDownloader(cfg, fetcher, _read_tar_members(
-        [r["source"] for r in rows if (r["source"] or "").startswith("tar:")]))
+        [r["source"] for r in rows if (r["source"] or "").startswith("tar:")],
+        cfg.input.storage_options))
     writer = RawShardWriter(out, RAW_FOLDER, shard.shard_id, extras)
     pending: Counter = Counter()
     last_report = time.monotonic()

@@ -39,6 +39,7 @@ from pairforge.shards.manifest import build_manifest, write_dataset_files
 from pairforge.shards.raw import completed_shards, shard_name
 from pairforge.shards.storage import (
     DEDUP_FOLDER,
+    EMBEDDINGS_FOLDER,
     RAW_FOLDER,
     SCORES_FOLDER,
     SHARDS_FOLDER,
@@ -179,7 +180,9 @@ def _write_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
 def recaption_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Where each recaption came from and what the safety checks did, for the stats."""
     done = [r for r in rows if r.get("recaption_origin")]
-    flags = Counter(f.split(":", 1)[0] for r in done for f in r["recaption_flags"] or [])
+    # "attribute:gender:woman" counts as attribute:gender, "abstained:ungrounded:dog" as
+    # abstained:ungrounded: the kind of check, not the word
+    flags = Counter(":".join(f.split(":")[:2]) for r in done for f in r["recaption_flags"] or [])
     return {"rows": len(done),
             "origin": dict(sorted(Counter(r["recaption_origin"] for r in done).items())),
             "abstained": sum(r["recaption"] is None for r in done),
@@ -325,6 +328,9 @@ def run_process(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, A
             import ray
 
             ray.kill(registry)
+    # a writer attempt lost with its node leaves its temporary file; its retry wrote the shard
+    for folder in (SHARDS_FOLDER, SCORES_FOLDER, EMBEDDINGS_FOLDER):
+        out.remove_temporaries(folder)
     seconds = time.time() - started
     from pairforge.pipeline.runner import summarise
 
