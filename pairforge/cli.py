@@ -71,12 +71,16 @@ def _print_dedup(stats: dict[str, Any]) -> None:
 
 
 @app.command()
-def dedup(config: ConfigArg, set_: SetOpt = None) -> None:
-    """Stage 2: exact and near duplicates from the raw shards' hashes."""
+def dedup(config: ConfigArg, set_: SetOpt = None,
+          force: Annotated[bool, typer.Option(
+              "--force", help="redo even when a finished dedup matches the inputs")] = False,
+          ) -> None:
+    """Stage 2: exact and near duplicates from the raw shards' hashes (redone when the raw
+    shards, the index files or the dedup config changed since the last run)."""
     from pairforge.pipeline.runner import run_dedup_stage
 
     cfg = _load(config, set_)
-    _print_dedup(_run_guarded(run_dedup_stage, cfg))
+    _print_dedup(_run_guarded(run_dedup_stage, cfg, force))
 
 
 @app.command()

@@ -435,10 +435,23 @@ def test_stage_on_ray_matches_the_algorithm_and_resumes(coco, tmp_path, ray_loca
     index = pq.read_table(tmp_path / "dedup" / "index.parquet")
     assert len(index) == stats["kept"]
     assert set(index["source"].to_pylist()) == {str(tmp_path)}
-    # a finished stage is not redone
+    # a finished stage is not redone while its inputs and config are the same ...
     (tmp_path / "dedup" / "duplicates.parquet").write_bytes(b"changed")
     assert run_dedup(str(tmp_path / "raw"), str(tmp_path / "dedup"), DedupConfig(),
                      RAY) == stats
+    # ... but is when asked to, when the config changes, or when a raw shard is added
+    forced = run_dedup(str(tmp_path / "raw"), str(tmp_path / "dedup"), DedupConfig(),
+                       RAY, force=True)
+    assert pq.read_table(tmp_path / "dedup" / "duplicates.parquet").equals(expected)
+    assert forced["inputs_digest"] == stats["inputs_digest"]
+    stricter = run_dedup(str(tmp_path / "raw"), str(tmp_path / "dedup"),
+                         DedupConfig(max_distance=0), RAY)
+    assert stricter["inputs_digest"] != stats["inputs_digest"]
+    assert stricter["duplicates"] < stats["duplicates"]
+    write_raw_shards(tmp_path / "raw", coco, shards=4)  # the same rows plus a fourth shard
+    grown = run_dedup(str(tmp_path / "raw"), str(tmp_path / "dedup"), DedupConfig(), RAY)
+    assert grown["raw_files"] == 4 and grown["rows_in"] == len(coco) + 12
+    assert pq.read_table(tmp_path / "dedup" / "duplicates.parquet").equals(expected)
 
     # shuffled rows over another number of shards, and an index: same decisions
     shuffled = [coco[i] for i in np.random.default_rng(1).permutation(len(coco))]

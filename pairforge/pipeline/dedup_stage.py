@@ -12,6 +12,7 @@ of hashes only. Outputs, under ``out_dir``:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import posixpath
 import time
@@ -163,26 +164,45 @@ def _disabled(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any]:
     return stats
 
 
+def inputs_digest(files: list[str], indexes: list[str], cfg: DedupConfig,
+                  storage_options: dict[str, Any]) -> str:
+    """What a finished dedup was computed from: its config and the raw/index files (name
+    and size), so new or rewritten raw shards or another config make it stale."""
+    def described(paths: list[str]) -> list[tuple[str, int]]:
+        out = []
+        for path in paths:
+            fs, stripped = fsspec.core.url_to_fs(path, **storage_options)
+            out.append((posixpath.basename(stripped), int(fs.info(stripped)["size"])))
+        return out
+
+    blob = json.dumps({"config": cfg.model_dump(mode="json"), "raw": described(files),
+                       "index": described(indexes)}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
               storage_options: dict | None = None, *, source: str | None = None,
               force: bool = False) -> dict:
     """Stage 2: write ``out_dir/duplicates.parquet`` (+ index) and return the stats.
 
-    A finished run (its stats file exists) is not redone unless ``force``. ``source``
+    A finished run (its stats file exists) is reused when it was computed from the same
+    config and raw/index files; otherwise, or with ``force``, it is redone. ``source``
     labels this build's rows in the index it writes (default: the parent of out_dir).
     """
     opts = dict(storage_options or {})
     fs, root = fsspec.core.url_to_fs(out_dir, **opts)
     fs.invalidate_cache()
     stats_path = posixpath.join(root, STATS_FILE)
-    if not force and fs.exists(stats_path):
-        return _load_stats(fs, stats_path)
+    finished = None if force or not fs.exists(stats_path) else _load_stats(fs, stats_path)
     fs.makedirs(root, exist_ok=True)
     if not cfg.enabled:
-        return _disabled(fs, root)
-    started = time.perf_counter()
+        return finished if finished and not finished["enabled"] else _disabled(fs, root)
     files = _raw_files(raw_dir, opts)
     indexes = _index_files(cfg.index, opts)
+    digest = inputs_digest(files, indexes, cfg, opts)
+    if finished and finished.get("inputs_digest") == digest:
+        return finished
+    started = time.perf_counter()
     init_ray(ray_cfg)
     rows, status, index = _read_all(files, indexes, opts, ray_cfg.max_task_retries)
     read_s = time.perf_counter() - started
@@ -204,6 +224,7 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
         "status_counts": dict(sorted(status.items())),
         **result.stats,
         "index_written": cfg.write_index,
+        "inputs_digest": digest,
         "seconds": {"read": round(read_s, 3), "decide": round(decide_s, 3),
                     "total": round(time.perf_counter() - started, 3)},
     }

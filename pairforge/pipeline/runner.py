@@ -79,13 +79,13 @@ def run_download(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, 
             "rows_per_s": round(rows_todo / seconds, 1) if rows_todo else None}
 
 
-def run_dedup_stage(cfg: PairforgeConfig) -> dict[str, Any]:
+def run_dedup_stage(cfg: PairforgeConfig, force: bool = False) -> dict[str, Any]:
     """Stage 2 over the complete raw shards (only their hash columns are read)."""
     from pairforge.pipeline.dedup_stage import run_dedup
 
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     return run_dedup(out.uri(RAW_FOLDER), out.uri(DEDUP_FOLDER), cfg.dedup, cfg.ray,
-                     cfg.output.storage_options)
+                     cfg.output.storage_options, force=force)
 
 
 def _run_bounded(items: list, submit, limit: int, on_tick) -> None:
