@@ -56,8 +56,9 @@ def _photos(n: int) -> list[Image.Image]:
 @pytest.fixture(scope="session")
 def tiny_captioners(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("captioners")
-    return {arch: save_tiny_captioner(arch, root / arch, _coco_captions())
-            for arch in ("blip", "git")}
+    return {arch: save_tiny_captioner(arch, root / arch, _coco_captions(),
+                                      resolution=64 if arch == "idefics3" else 32)
+            for arch in ("blip", "git", "idefics3")}
 
 
 # -- cleaning, choice, nouns, cache: pure functions -------------------------------------------
@@ -123,12 +124,16 @@ def test_cache_lookup_exact_near_and_text() -> None:
 
 # -- backends ------------------------------------------------------------------------------
 
+MODEL_CLASSES = {"blip": "BlipForConditionalGeneration", "git": "GitForCausalLM",
+                 "idefics3": "Idefics3ForConditionalGeneration"}
+
+
 @pytest.mark.parametrize("arch", ["blip", "git"])
 def test_transformers_backend_batches_like_single_images(arch, tiny_captioners) -> None:
     cfg = RecaptionConfig(model=str(tiny_captioners[arch]), max_new_tokens=8)
     captioner = TransformersCaptioner(cfg)
-    assert type(captioner.model).__name__ == {"blip": "BlipForConditionalGeneration",
-                                              "git": "GitForCausalLM"}[arch]
+    assert type(captioner.model).__name__ == MODEL_CLASSES[arch]
+    assert captioner.mode == "none"  # no chat template: unconditional captioning
     images = _photos(4)
     batched = captioner.generate(images, "ignored without a chat template")
     assert batched == [captioner.generate([im], "x")[0] for im in images]
@@ -136,6 +141,22 @@ def test_transformers_backend_batches_like_single_images(arch, tiny_captioners) 
     prefixed = TransformersCaptioner(cfg.model_copy(update={"prompt_mode": "prefix"}))
     assert prefixed.generate(images[:2], "a photo of") == [
         prefixed.generate([im], "a photo of")[0] for im in images[:2]]
+
+
+def test_chat_model_takes_the_prompt_through_its_template(tiny_captioners) -> None:
+    """Idefics3 (SmolVLM's architecture): chat template, left padding, prompt dropped."""
+    captioner = TransformersCaptioner(RecaptionConfig(model=str(tiny_captioners["idefics3"]),
+                                                      max_new_tokens=8))
+    assert type(captioner.model).__name__ == MODEL_CLASSES["idefics3"]
+    assert captioner.mode == "chat"
+    images = _photos(4)
+    prompt = "Describe the image."
+    batched = captioner.generate(images, prompt)
+    assert batched == [captioner.generate([im], prompt)[0] for im in images]
+    assert all("Assistant" not in t and "User" not in t for t in batched)
+    inputs = captioner._inputs(images[:1], prompt)
+    text = captioner.processor.batch_decode(inputs["input_ids"])[0]
+    assert prompt in text and text.endswith("Assistant:")
 
 
 def test_openai_backend_returns_the_served_models_generations(tiny_captioners) -> None:

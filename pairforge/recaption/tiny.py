@@ -1,9 +1,10 @@
 """Tiny random-weight captioners built from transformers configs, for tests and benchmarks.
 
 No model hub is reachable here (DESIGN.md section 8), so tests train a byte-level BPE on
-the captions at hand, build a BLIP or GIT model a few hundred kB large around it, and save
-both with ``save_pretrained``: the recaption step then loads the folder through
-``AutoProcessor`` / ``AutoModelForImageTextToText`` exactly as it loads a hub id.
+the captions at hand, build a BLIP, GIT or Idefics3 (SmolVLM's architecture, with a chat
+template) model a few hundred kB large around it, and save both with ``save_pretrained``:
+the recaption step then loads the folder through ``AutoProcessor`` /
+``AutoModelForImageTextToText`` exactly as it loads a hub id.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
-Arch = Literal["blip", "git"]
+Arch = Literal["blip", "git", "idefics3"]
 Size = Literal["tiny", "base"]
 SPECIALS = {"pad_token": "[PAD]", "bos_token": "[BOS]", "eos_token": "[EOS]",
             "unk_token": "[UNK]", "mask_token": "[MASK]"}
@@ -76,6 +77,43 @@ def _git(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
     return GitForCausalLM(config), GitProcessor(image_processor=images, tokenizer=tokenizer)
 
 
+# SmolVLM's chat template: "User:<image>PROMPT<end_of_utterance>\nAssistant:"
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+
+
+def _idefics3(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+    )
+
+    if size != "tiny":
+        raise ValueError("idefics3: only size=tiny (use a SmolVLM checkpoint for real runs)")
+    patch, scale = 16, 2
+    images = Idefics3ImageProcessor(size={"longest_edge": resolution}, do_image_splitting=False,
+                                    max_image_size={"longest_edge": resolution})
+    processor = Idefics3Processor(image_processor=images, tokenizer=tokenizer,
+                                  image_seq_len=(resolution // patch // scale) ** 2,
+                                  chat_template=IDEFICS3_TEMPLATE)  # adds its image tokens
+    tokenizer = processor.tokenizer
+    text = dict(TINY, model_type="llama", vocab_size=len(tokenizer), num_key_value_heads=2,
+                max_position_embeddings=256, **_token_ids(tokenizer))
+    vision = dict(TINY, num_hidden_layers=1, image_size=resolution, patch_size=patch)
+    model = Idefics3ForConditionalGeneration(Idefics3Config(
+        vision_config=vision, text_config=text, scale_factor=scale,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        pad_token_id=tokenizer.pad_token_id))
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<end_of_utterance>")
+    return model, processor
+
+
 def save_tiny_captioner(arch: Arch, out_dir: str | Path, captions: Iterable[str],
                         resolution: int = 32, seed: int = 0, size: Size = "tiny") -> Path:
     """A random-weight ``arch`` captioner with a tokenizer trained on ``captions``;
@@ -84,7 +122,8 @@ def save_tiny_captioner(arch: Arch, out_dir: str | Path, captions: Iterable[str]
 
     torch.manual_seed(seed)
     tokenizer = train_tokenizer(captions, vocab_size=512 if size == "tiny" else 8192)
-    model, processor = {"blip": _blip, "git": _git}[arch](tokenizer, resolution, size)
+    build = {"blip": _blip, "git": _git, "idefics3": _idefics3}[arch]
+    model, processor = build(tokenizer, resolution, size)
     out = Path(out_dir)
     model.save_pretrained(out)
     processor.save_pretrained(out)
