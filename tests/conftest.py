@@ -58,6 +58,21 @@ def ray_local() -> Iterator[None]:
     ray.shutdown()
 
 
+def download_raw(root: Path, rows: list[tuple[str, str]], shard_size: int) -> Path:
+    """Stage 1 over (url, caption) rows at 64 px, loopback only; returns the output folder."""
+    from pairforge.config import parse_config
+    from pairforge.pipeline.runner import run_download
+
+    lines = ["url,caption"] + [f"{url},\"{caption}\"" for url, caption in rows]
+    (root / "in.csv").write_text("\n".join(lines) + "\n")
+    cfg = parse_config({"input": {"path": str(root / "in.csv"), "shard_size": shard_size},
+                        "output": {"path": str(root / "out")},
+                        "download": {"threads": 4, "allow_addresses": ["127.0.0.1/32"],
+                                     "image": {"image_size": 64}}})
+    run_download(cfg, show_progress=False)
+    return root / "out"
+
+
 @pytest.fixture(scope="session")
 def coco_server() -> Iterator[LoopbackServer]:
     """The COCO sample photos on 127.0.0.1, for the whole session."""

@@ -18,13 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 import yaml
-from conftest import COCO_CAPTIONS
+from conftest import COCO_CAPTIONS, download_raw
 from PIL import Image
 
 from pairforge.config import parse_config
 from pairforge.pipeline import process as process_module
 from pairforge.pipeline.process import run_process
-from pairforge.pipeline.runner import run_download
 
 TINY_CLIP = {"embed_dim": 32,
              "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8,
@@ -60,18 +59,11 @@ def _coco_rows() -> list[tuple[str, str]]:
 @pytest.fixture(scope="session")
 def coco_raw(tmp_path_factory, coco_server, ray_local) -> Path:
     """Raw shards (stage 1 output) of 40 COCO photos, two short captions, one 404."""
-    root = tmp_path_factory.mktemp("coco_raw")
-    rows = _coco_rows()
-    lines = ["url,caption"] + [f"{coco_server.url('/img/' + n)},\"{c}\"" for n, c in rows]
-    lines[1 + 3] = f"{coco_server.url('/img/' + rows[2][0])},tiny"  # fails the word count
-    lines[1 + 9] = f"{coco_server.url('/status/404')},gone"
-    (root / "in.csv").write_text("\n".join(lines) + "\n")
-    cfg = parse_config({"input": {"path": str(root / "in.csv"), "shard_size": 10},
-                        "output": {"path": str(root / "out")},
-                        "download": {"threads": 4, "allow_addresses": ["127.0.0.1/32"],
-                                     "image": {"image_size": 64}}})
-    run_download(cfg, show_progress=False)
-    return root / "out"
+    photos = _coco_rows()
+    rows = [(coco_server.url("/img/" + name), caption) for name, caption in photos]
+    rows[3] = (coco_server.url("/img/" + photos[2][0]), "tiny")  # fails the word count
+    rows[9] = (coco_server.url("/status/404"), "gone")
+    return download_raw(tmp_path_factory.mktemp("coco_raw"), rows, shard_size=10)
 
 
 def _config(out: Path, clip: dict, **clip_overrides) -> dict:

@@ -15,17 +15,20 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 from caption_server import CaptionServer
-from conftest import COCO_CAPTIONS, COCO_IMAGES
+from conftest import COCO_CAPTIONS, COCO_IMAGES, download_raw
 from PIL import Image
-from test_process_stage import tiny_clip, tiny_vq  # noqa: F401 - session fixtures
+from test_process_stage import (  # noqa: F401 - tiny_clip, tiny_vq: session fixtures
+    _fresh_out,
+    _rows,
+    tiny_clip,
+    tiny_vq,
+)
 
 from pairforge.config import RecaptionConfig, parse_config
 from pairforge.pipeline.process import run_process
-from pairforge.pipeline.runner import run_download
 from pairforge.recaption.backends import OpenAICaptioner, TransformersCaptioner, data_url
 from pairforge.recaption.cache import CachedCaption, CaptionCache, mentions_text
 from pairforge.recaption.grounding import NounLexicon
@@ -109,10 +112,10 @@ def test_noun_lexicon_phrases_plurals_and_extensions(tmp_path: Path) -> None:
 
 def test_cache_lookup_exact_near_and_text() -> None:
     cache = CaptionCache(phash_distance=2)
-    cache.add("a" * 32, 0b1011, CachedCaption("A dog.", (), True))
-    cache.add("b" * 32, 1 << 40, CachedCaption("A stop sign.", (), False))
-    cache.add("c" * 32, 1 << 60, CachedCaption(None, ("abstained:empty",), False))
-    assert cache.lookup("a" * 32, None) == (CachedCaption("A dog.", (), True), "cache")
+    cache.add("a" * 32, 0b1011, CachedCaption("A dog.", ()))
+    cache.add("b" * 32, 1 << 40, CachedCaption("A stop sign.", ()))
+    cache.add("c" * 32, 1 << 60, CachedCaption(None, ("abstained:empty",)))
+    assert cache.lookup("a" * 32, None) == (CachedCaption("A dog.", ()), "cache")
     assert cache.lookup("x" * 32, 0b1000)[1] == "cache_phash"  # distance 2
     assert cache.lookup("x" * 32, 0b0100) is None  # distance 4
     assert cache.lookup("x" * 32, 1 << 40) is None  # mentions text: exact pixels only
@@ -193,19 +196,11 @@ def test_openai_backend_reports_a_wrong_model_name(tiny_captioners) -> None:
 @pytest.fixture(scope="session")
 def recaption_raw(tmp_path_factory, coco_server, ray_local) -> Path:
     """Raw shards of 8 photos, 3 of them listed twice (identical pixels), and one 404."""
-    root = tmp_path_factory.mktemp("recaption_raw")
     names = [p.name for p in sorted(COCO_IMAGES.glob("*.jpg"))[:len(TAUGHT)]]
     rows = [(coco_server.url("/img/" + n), f"alt text number {i}") for i, n in enumerate(names)]
     rows += [(rows[i][0], f"another alt text {i}") for i in DUPLICATED]
     rows.append((coco_server.url("/status/404"), "gone for good"))
-    lines = ["url,caption"] + [f"{u},{c}" for u, c in rows]
-    (root / "in.csv").write_text("\n".join(lines) + "\n")
-    cfg = parse_config({"input": {"path": str(root / "in.csv"), "shard_size": 6},
-                        "output": {"path": str(root / "out")},
-                        "download": {"threads": 4, "allow_addresses": ["127.0.0.1/32"],
-                                     "image": {"image_size": 64}}})
-    run_download(cfg, show_progress=False)
-    return root / "out"
+    return download_raw(tmp_path_factory.mktemp("recaption_raw"), rows, shard_size=6)
 
 
 def _raw_images(raw_out: Path) -> dict[str, Image.Image]:
@@ -240,21 +235,6 @@ def _config(out: Path, blip: Path, clip: dict, vq: str, **recaption) -> dict:
                 "tasks": {"p_drop": 0.25}}}
 
 
-def _fresh(tmp_path: Path, raw_out: Path) -> Path:
-    import shutil
-
-    out = tmp_path / "out"
-    shutil.copytree(raw_out / "raw", out / "raw")
-    return out
-
-
-def _rows(out: Path) -> dict[str, dict]:
-    rows = {}
-    for path in sorted((out / "shards").glob("*.parquet")):
-        rows.update({r["key"]: r for r in pq.read_table(path).to_pylist()})
-    return rows
-
-
 def _samples(out: Path) -> dict[str, dict]:
     urls = [str(p) for p in sorted((out / "shards").glob("*.tar"))]
     return {s["__key__"]: s for s in wds.WebDataset(urls, shardshuffle=False)}
@@ -263,7 +243,7 @@ def _samples(out: Path) -> dict[str, dict]:
 def test_recaption_stage_caches_dedups_filters_and_chooses(
         tmp_path, recaption_raw, taught_blip, tiny_clip, tiny_vq) -> None:  # noqa: F811
     shared_cache = tmp_path / "cache"
-    cfg = _config(_fresh(tmp_path / "a", recaption_raw), taught_blip, tiny_clip, tiny_vq,
+    cfg = _config(_fresh_out(tmp_path / "a", recaption_raw), taught_blip, tiny_clip, tiny_vq,
                   cache={"path": str(shared_cache)}, grounding={"min_score": -1.0})
     cfg["process"]["tasks"].update(caption="mix", recaption_share=0.5)
     out = Path(cfg["output"]["path"])
@@ -304,7 +284,7 @@ def test_recaption_stage_caches_dedups_filters_and_chooses(
     assert {r["caption_source"] for r in ok.values()} == {"recaption", "original"}
 
     # a second build over the same inputs, sharing the cache: no generation at all
-    again = _config(_fresh(tmp_path / "b", recaption_raw), taught_blip, tiny_clip, tiny_vq,
+    again = _config(_fresh_out(tmp_path / "b", recaption_raw), taught_blip, tiny_clip, tiny_vq,
                     cache={"path": str(shared_cache)}, grounding={"min_score": -1.0})
     out_b = Path(again["output"]["path"])
     run_process(parse_config(again), show_progress=False)
@@ -325,7 +305,7 @@ def test_unsupported_nouns_regenerate_then_abstain_to_img(
     served = TransformersCaptioner(RecaptionConfig(model=str(taught_blip), max_new_tokens=24))
     with CaptionServer(served, "taught-blip") as server:
         # no noun can reach a cosine similarity of 1.5: every caption naming an object fails
-        cfg = _config(_fresh(tmp_path, recaption_raw), taught_blip, tiny_clip, tiny_vq,
+        cfg = _config(_fresh_out(tmp_path, recaption_raw), taught_blip, tiny_clip, tiny_vq,
                       cache={"enabled": False}, grounding={"min_score": 1.5})
         cfg["process"]["recaption"].update(
             backend="openai", model="taught-blip",

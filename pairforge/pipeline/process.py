@@ -33,7 +33,7 @@ from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.pipeline.steps import Step, add_step, fit_actor_cpus
 from pairforge.recaption import cache as recaption_cache
 from pairforge.recaption.registry import start_registry
-from pairforge.recaption.step import RecaptionStep, registry_name
+from pairforge.recaption.step import RecaptionStep, recaption_stats, registry_name
 from pairforge.records import Status
 from pairforge.shards.manifest import build_manifest, write_dataset_files
 from pairforge.shards.raw import completed_shards, shard_name
@@ -175,25 +175,6 @@ def _write_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
     meta = SAMPLE_FIELDS + (TOKEN_FIELDS if "n_image_tokens" in schema.names else [])
     return write_training_shard(out, plan.shard_id, rows, schema, meta, stats,
                                 cfg.process.tasks)
-
-
-def recaption_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Where each recaption came from and what the safety checks did, for the stats."""
-    done = [r for r in rows if r.get("recaption_origin")]
-    # "attribute:gender:woman" counts as attribute:gender, "abstained:ungrounded:dog" as
-    # abstained:ungrounded: the kind of check, not the word
-    flags = Counter(":".join(f.split(":")[:2]) for r in done for f in r["recaption_flags"] or [])
-    return {"rows": len(done),
-            "origin": dict(sorted(Counter(r["recaption_origin"] for r in done).items())),
-            "abstained": sum(r["recaption"] is None for r in done),
-            "rows_with_attributes_removed": sum(
-                any(f.startswith("attribute:") for f in r["recaption_flags"] or [])
-                for r in done),
-            "regenerated": sum(any(f.startswith("regenerated:") for f in r["recaption_flags"]
-                                   or []) for r in done),
-            "flags": dict(sorted(flags.items())),
-            "caption_source": dict(sorted(Counter(
-                r.get("caption_source") or "none" for r in done).items()))}
 
 
 def _write_scores_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,

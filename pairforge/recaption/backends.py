@@ -8,15 +8,12 @@ default (a caption has a right answer); ``temperature > 0`` samples.
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
-import json
 import os
 import random
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from PIL import Image
@@ -30,19 +27,6 @@ class Captioner(ABC):
     @abstractmethod
     def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
         """The model's answer for each image."""
-
-    @property
-    @abstractmethod
-    def identity(self) -> dict[str, Any]:
-        """What decides the captions besides the image: keys the recaption cache."""
-
-
-def _generation_settings(cfg: RecaptionConfig) -> dict[str, Any]:
-    return {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
-
-
-def _file_sha256(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else None
 
 
 class TransformersCaptioner(Captioner):
@@ -101,14 +85,6 @@ class TransformersCaptioner(Captioner):
                 and torch.equal(output[:, :prompt_ids.shape[1]], prompt_ids)):
             output = output[:, prompt_ids.shape[1]:]  # decoder-only: drop the prompt
         return self.processor.batch_decode(output, skip_special_tokens=True)
-
-    @property
-    def identity(self) -> dict[str, Any]:
-        folder = Path(self.cfg.model)
-        return {"backend": "transformers", "model": self.cfg.model,
-                "revision": self.cfg.revision, "prompt_mode": self.mode,
-                "config_sha256": _file_sha256(folder / "config.json"),
-                **_generation_settings(self.cfg)}
 
 
 def data_url(image: Image.Image) -> str:
@@ -174,16 +150,8 @@ class OpenAICaptioner(Captioner):
     def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
         return list(self.pool.map(self._request, [self._body(im, prompt) for im in images]))
 
-    @property
-    def identity(self) -> dict[str, Any]:
-        return {"backend": "openai", "model": self.cfg.model, **_generation_settings(self.cfg)}
-
 
 def load_captioner(cfg: RecaptionConfig, device: str = "cpu") -> Captioner:
     if cfg.backend == "openai":
         return OpenAICaptioner(cfg)
     return TransformersCaptioner(cfg, device)
-
-
-def identity_digest(identity: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]

@@ -32,8 +32,7 @@ from pairforge.shards.storage import OutputDir
 
 CACHE_FOLDER = "recaption_cache"
 CACHE_SCHEMA = pa.schema([("pixel_hash", pa.string()), ("phash", pa.uint64()),
-                          ("recaption", pa.string()), ("flags", pa.list_(pa.string())),
-                          ("phash_reusable", pa.bool_())])
+                          ("recaption", pa.string()), ("flags", pa.list_(pa.string()))])
 _TEXT_WORDS = re.compile(
     r"\b(text|texts|word|words|writing|written|letter|letters|lettering|sign|signs|signage|"
     r"label|labels|logo|logos|poster|posters|banner|banners|menu|menus|book|books|newspaper|"
@@ -96,7 +95,11 @@ def build_id(cfg: PairforgeConfig) -> str:
 class CachedCaption:
     recaption: str | None  # None: the sample abstained
     flags: tuple[str, ...]
-    phash_reusable: bool
+
+    @property
+    def phash_reusable(self) -> bool:
+        """Whether a near-identical image may take this caption (see the module doc)."""
+        return self.recaption is not None and not mentions_text(self.recaption)
 
 
 def _bands(phash: int, distance: int) -> list[tuple[int, int]]:
@@ -125,8 +128,8 @@ class CaptionCache:
             with folder.fs.open(folder.path(name), "rb") as f:
                 table = pq.read_table(f, schema=CACHE_SCHEMA)
             for row in table.to_pylist():
-                cache.add(row["pixel_hash"], row["phash"], CachedCaption(
-                    row["recaption"], tuple(row["flags"] or ()), bool(row["phash_reusable"])))
+                cache.add(row["pixel_hash"], row["phash"],
+                          CachedCaption(row["recaption"], tuple(row["flags"] or ())))
         return cache
 
     def add(self, pixel_hash: str, phash: int | None, entry: CachedCaption) -> None:
@@ -158,7 +161,6 @@ def write_part(cfg: PairforgeConfig, shard_id: int, rows: list[dict[str, Any]]) 
     table = pa.Table.from_pylist([{
         "pixel_hash": r["pixel_hash"], "phash": r["phash"], "recaption": r["recaption"],
         "flags": r["recaption_flags"] or [],
-        "phash_reusable": r["recaption"] is not None and not mentions_text(r["recaption"]),
     } for r in made], schema=CACHE_SCHEMA)
     with folder.open_atomic("", f"{build_id(cfg)}-{shard_name(shard_id)}.parquet") as f:
         pq.write_table(table, f)

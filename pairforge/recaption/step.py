@@ -13,6 +13,7 @@ original or a seeded mix) and recorded as ``caption_source``.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,42 @@ def training_caption(choice: str, share: float, seed: int, key: str, original: s
     if choice == "original":
         return (original, "original") if original else (None, None)
     return (recaption, "recaption") if recaption else (None, None)
+
+
+Checked = tuple[str, list[str], list[str]]  # caption, attribute flags, problems
+
+
+def _verdict(first: Checked, second: Checked | None) -> CachedCaption:
+    """The caption to keep from a first try and, when it had problems, the strict retry."""
+    caption, flags, problems = first
+    if not problems:
+        return CachedCaption(caption, tuple(flags))
+    assert second is not None
+    tried = tuple(f"regenerated:{p}" for p in problems)
+    caption, flags, again = second
+    if again:
+        return CachedCaption(None, tried + tuple(f"abstained:{p}" for p in again))
+    return CachedCaption(caption, tried + tuple(flags))
+
+
+def recaption_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where each recaption came from and what the safety checks did, for a shard's stats."""
+    done = [r for r in rows if r.get("recaption_origin")]
+    # "attribute:gender:woman" counts as attribute:gender, "abstained:ungrounded:dog" as
+    # abstained:ungrounded: the kind of check, not the word
+    flags = Counter(":".join(f.split(":")[:2]) for r in done for f in r["recaption_flags"] or [])
+
+    def rows_flagged(prefix: str) -> int:
+        return sum(any(f.startswith(prefix) for f in r["recaption_flags"] or []) for r in done)
+
+    return {"rows": len(done),
+            "origin": dict(sorted(Counter(r["recaption_origin"] for r in done).items())),
+            "abstained": sum(r["recaption"] is None for r in done),
+            "rows_with_attributes_removed": rows_flagged("attribute:"),
+            "regenerated": rows_flagged("regenerated:"),
+            "flags": dict(sorted(flags.items())),
+            "caption_source": dict(sorted(Counter(
+                r.get("caption_source") or "none" for r in done).items()))}
 
 
 class RecaptionStep(ModelStep):
@@ -80,7 +117,7 @@ class RecaptionStep(ModelStep):
 
     # -- captioning with the safety checks --------------------------------------------------
 
-    def _check(self, text: str, embedding: np.ndarray | None) -> tuple[str, list[str], list[str]]:
+    def _check(self, text: str, embedding: np.ndarray | None) -> Checked:
         """(caption, attribute flags, problems); no problems means the caption is usable."""
         caption = clean_caption(text, self.prompt)
         if not caption:
@@ -93,31 +130,24 @@ class RecaptionStep(ModelStep):
             problems += [f"ungrounded:{noun}" for noun in unsupported]
         return result.text, flags, problems
 
+    def _attempt(self, images: list[Image.Image], embeddings: list[Any],
+                 prompt: str) -> list[Checked]:
+        if not images:
+            return []
+        return [self._check(text, embedding) for text, embedding in zip(
+            self.captioner.generate(images, prompt), embeddings, strict=True)]
+
     def caption_images(self, images: list[Image.Image]) -> list[CachedCaption]:
         """Caption, check, regenerate the failures once with the strict prompt, or abstain."""
         embeddings: list[Any] = [None] * len(images)
         if self.grounding is not None:
             embeddings = list(self.grounding.scorer.embed_images(images))
-        first = [self._check(t, e) for t, e in zip(
-            self.captioner.generate(images, self.prompt), embeddings, strict=True)]
+        first = self._attempt(images, embeddings, self.prompt)
         retry = [i for i, (_, _, problems) in enumerate(first) if problems]
-        second = dict(zip(retry, (self._check(t, embeddings[i]) for i, t in zip(
-            retry, self.captioner.generate([images[i] for i in retry],
-                                           self.prompt + STRICT_PROMPT) if retry else [],
-            strict=True)), strict=True))
-        results = []
-        for i, (caption, flags, problems) in enumerate(first):
-            if not problems:
-                results.append(CachedCaption(caption, tuple(flags), True))
-                continue
-            caption, flags, again = second[i]
-            tried = [f"regenerated:{p}" for p in problems]
-            if again:
-                results.append(CachedCaption(None, (*tried, *(f"abstained:{p}" for p in again)),
-                                             False))
-            else:
-                results.append(CachedCaption(caption, (*tried, *flags), True))
-        return results
+        second = dict(zip(retry, self._attempt([images[i] for i in retry],
+                                               [embeddings[i] for i in retry],
+                                               self.prompt + STRICT_PROMPT), strict=True))
+        return [_verdict(checked, second.get(i)) for i, checked in enumerate(first)]
 
     # -- the batch: cache, claims, generation -----------------------------------------------
 
@@ -154,9 +184,12 @@ class RecaptionStep(ModelStep):
         todo = [i for i in range(rows.num_rows) if i not in found]
         leaders = dict(zip(todo, self._claims([(hashes[i], keys[i]) for i in todo]),
                            strict=True))
-        first_of: dict[str, int] = {}
-        mine = [i for i in todo if leaders[i] == keys[i] and first_of.setdefault(hashes[i], i)
-                == i]
+        first_of: dict[str, int] = {}  # pixel hash -> the row of this batch that captions it
+        mine = []
+        for i in todo:
+            if leaders[i] == keys[i] and hashes[i] not in first_of:
+                first_of[hashes[i]] = i
+                mine.append(i)
         made = self._generate_for(rows, mine)
         found.update((i, (entry, "model")) for i, entry in made.items())
         if made and self.registry is not None:
