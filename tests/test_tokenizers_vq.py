@@ -125,3 +125,18 @@ def test_loading_something_else_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "janus_vqgan"}))
     with pytest.raises(ValueError, match="pairforge-vq"):
         vqvae.load(tmp_path)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 20, 39])
+def test_short_runs_have_a_valid_schedule(steps: int) -> None:
+    """OneCycleLR divides by zero when its warm-up rounds to under two steps (20 did)."""
+    from pairforge.tokenizers.train_vq import _one_cycle
+
+    optimiser = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    schedule = _one_cycle(optimiser, 1e-3, steps)
+    rates = []
+    for _ in range(steps):
+        optimiser.step()
+        schedule.step()
+        rates.append(optimiser.param_groups[0]["lr"])
+    assert all(0 < r <= 1e-3 for r in rates[:-1]) and len(rates) == steps

@@ -172,13 +172,22 @@ def _split(sources: list[str | Path], resolution: int, holdout: float,
     return big[train_idx], held
 
 
+def _one_cycle(optimiser: torch.optim.Optimizer, lr: float,
+               steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """5 % warm-up, then annealing. A warm-up under two steps makes OneCycleLR divide by
+    zero, so short runs warm up for two steps; under three steps the rate is constant."""
+    if steps < 3:
+        return torch.optim.lr_scheduler.LambdaLR(optimiser, lambda _: 1.0)
+    return torch.optim.lr_scheduler.OneCycleLR(optimiser, max_lr=lr, total_steps=steps,
+                                               pct_start=max(0.05, 2 / steps))
+
+
 def _fit(model: vqvae.VQVAE, pool: np.ndarray, config: vqvae.VQVAEConfig, steps: int,
          batch_size: int, lr: float, rng: np.random.Generator,
          log: Callable[[str], None] | None, log_every: int) -> None:
     model.train()
     optimiser = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.99))
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, max_lr=lr, total_steps=steps,
-                                                   pct_start=0.05)
+    schedule = _one_cycle(optimiser, lr, steps)
     for step in range(1, steps + 1):
         x = random_crops(pool, config.resolution, batch_size, rng)
         recon, commit, _ = model(x)
