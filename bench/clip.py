@@ -17,7 +17,14 @@ import argparse
 import time
 from pathlib import Path
 
-from stage_step import compare, decode, raw_images
+from stage_step import (
+    add_stage_args,
+    compare,
+    decode,
+    pool_label,
+    pool_section,
+    raw_images,
+)
 
 
 def bare_loop(raw: Path, model_name: str, batch_size: int, threads: int) -> tuple[float, int]:
@@ -47,15 +54,15 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=160)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--model", default="ViT-B-32")
-    parser.add_argument("--threads", type=int, default=2)
+    add_stage_args(parser)
     args = parser.parse_args()
     clip = {"enabled": True, "model": args.model, "pretrained": None, "mode": "score_only",
-            "batch_size": args.batch_size, "torch_threads": args.threads}
+            "batch_size": args.batch_size, **pool_section(args)}
     compare(args.images,
             lambda raw: bare_loop(raw, args.model, args.batch_size, args.threads),
             {"clip": clip},
-            f"CLIP {args.model} (random weights, fp32), batch {args.batch_size}, "
-            f"torch threads {args.threads}")
+            f"CLIP {args.model} (random weights, fp32), batch {args.batch_size}; "
+            f"{pool_label(args)}", multiples=args.multiples, repeats=args.repeats)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from stage_step import COCO, compare, decode, make_raw, raw_images, stage_seconds
+from stage_step import (
+    COCO,
+    add_stage_args,
+    compare,
+    decode,
+    make_raw,
+    pool_label,
+    pool_section,
+    raw_images,
+    stage_seconds,
+)
 
 
 def bare_loop(raw: Path, model_dir: Path, batch_size: int, max_new_tokens: int,
@@ -50,7 +60,7 @@ def bare_loop(raw: Path, model_dir: Path, batch_size: int, max_new_tokens: int,
 def recaption_section(model_dir: Path, args: argparse.Namespace, **extra: object) -> dict:
     return {"recaption": {"enabled": True, "model": str(model_dir),
                           "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
-                          "torch_threads": args.threads,
+                          **pool_section(args),
                           "grounding": {"enabled": False}, **extra}}
 
 
@@ -80,7 +90,7 @@ def main() -> None:
     parser.add_argument("--size", choices=["tiny", "base"], default="tiny")
     parser.add_argument("--resolution", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=2)
+    add_stage_args(parser)
     args = parser.parse_args()
     from pairforge.recaption.tiny import save_tiny_captioner
 
@@ -94,8 +104,8 @@ def main() -> None:
                                       args.threads),
                 recaption_section(model_dir, args),
                 f"recaption {args.arch}-{args.size} at {args.resolution} px (random weights, "
-                f"fp32), batch {args.batch_size}, {args.max_new_tokens} new tokens, "
-                f"torch threads {args.threads}")
+                f"fp32), batch {args.batch_size}, {args.max_new_tokens} new tokens; "
+                f"{pool_label(args)}", multiples=args.multiples, repeats=args.repeats)
         print("cache, planted duplicates (a quarter of the rows repeat a photo):")
         cache_run(args.images, model_dir, args)
 

@@ -77,32 +77,83 @@ def stage_seconds(out: Path, process: dict[str, Any]) -> tuple[float, int]:
 WARMUP = 40
 
 
+def add_stage_args(parser: Any) -> None:
+    """The bare loop's torch threads, the stage's actor pool, and how often to measure."""
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the bare loop")
+    parser.add_argument("--pool-size", type=int, default=1, help="actors of the stage's pool")
+    parser.add_argument("--stage-threads", type=int, default=None,
+                        help="torch threads per actor (default: --threads)")
+    parser.add_argument("--multiples", type=int, default=3,
+                        help="measure on N, 2N, .. this many times N images")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per size; the best counts")
+
+
+def pool_section(args: Any) -> dict[str, int]:
+    """The model step's pool settings from ``add_pool_args``."""
+    return {"pool_size": args.pool_size, "torch_threads": args.stage_threads or args.threads}
+
+
+def pool_label(args: Any) -> str:
+    pool = pool_section(args)
+    return (f"bare: {args.threads} torch threads; stage: {pool['pool_size']} actor(s) x "
+            f"{pool['torch_threads']} threads")
+
+
 def compare(n: int, bare: Callable[[Path], tuple[float, int]], process: dict[str, Any],
-            label: str) -> None:
-    """Print whole-run and marginal images/s of the bare loop and the stage on n and 2n."""
+            label: str, multiples: int = 3, repeats: int = 1) -> None:
+    """Print whole-run images/s of the bare loop and the stage on n, 2n, .. multiples*n
+    images (best of ``repeats``), and the steady-state rate of each: the inverse slope of
+    a least-squares line through seconds against images, whose intercept is the fixed cost."""
     from pairforge.config import RayConfig
     from pairforge.pipeline.ray_runtime import init_ray
 
+    sizes = [n * k for k in range(1, multiples + 1)]
     with tempfile.TemporaryDirectory() as tmp:
         warmup = min(WARMUP, n // 2)  # a few images warm up; slow models take fewer
-        outs = {size: Path(tmp) / f"out{size}" for size in (warmup, n, 2 * n)}
+        outs = {size: Path(tmp) / f"out{size}" for size in (warmup, *sizes)}
         for size, out in outs.items():
             make_raw(out, size)
         # All bare runs first, then the stage runs: Ray's idle workers stay out of the way.
-        bares = {size: bare(out / "raw") for size, out in outs.items()}
+        bares = {size: _best(repeats, lambda o=out: bare(o / "raw"))
+                 for size, out in outs.items()}
         init_ray(RayConfig())  # started before the stage clock runs
         # A first, unmeasured run on a few images, on both sides, so that both measured
         # runs start alike (Ray's worker processes have imported torch; caches are warm).
         stage_seconds(outs.pop(warmup), process)
-        results = {size: (bares[size], stage_seconds(out, process))
-                   for size, out in outs.items()}
+        stages = {size: _best(repeats, lambda o=out: stage_seconds(_fresh(o), process))
+                  for size, out in outs.items()}
     print(label)
-    for size, ((bare_s, bare_n), (stage_s, stage_n)) in results.items():
-        print(f"  {size:4d} images: bare {bare_s:6.1f} s = {bare_n / bare_s:7.2f} images/s, "
+    for size in sizes:
+        (bare_s, bare_n), (stage_s, stage_n) = bares[size], stages[size]
+        print(f"  {size:5d} images: bare {bare_s:6.1f} s = {bare_n / bare_s:7.2f} images/s, "
               f"stage {stage_s:6.1f} s = {stage_n / stage_s:7.2f} images/s, "
               f"ratio {(stage_n / stage_s) / (bare_n / bare_s):.2f}x")
-    (b1, s1), (b2, s2) = results.values()
-    bare_marginal = (b2[1] - b1[1]) / (b2[0] - b1[0])
-    stage_marginal = (s2[1] - s1[1]) / (s2[0] - s1[0])
-    print(f"  marginal: bare {bare_marginal:.2f} images/s, stage {stage_marginal:.2f} "
-          f"images/s, ratio stage/bare = {stage_marginal / bare_marginal:.2f}x", flush=True)
+    bare_rate, bare_fixed = _fit([bares[s] for s in sizes])
+    stage_rate, stage_fixed = _fit([stages[s] for s in sizes])
+    print(f"  steady state (fit over {len(sizes)} sizes): bare {bare_rate:.2f} images/s + "
+          f"{bare_fixed:.1f} s fixed, stage {stage_rate:.2f} images/s + {stage_fixed:.1f} s "
+          f"fixed; ratio stage/bare = {stage_rate / bare_rate:.2f}x", flush=True)
+
+
+def _best(repeats: int, run: Callable[[], tuple[float, int]]) -> tuple[float, int]:
+    """The fastest of ``repeats`` runs: other work on the machine only ever slows one."""
+    return min((run() for _ in range(repeats)), key=lambda r: r[0])
+
+
+def _fresh(out: Path) -> Path:
+    """``out`` without a previous stage-3 run's output, so the stage redoes every shard."""
+    import shutil
+
+    for name in out.iterdir():
+        if name.name != "raw":
+            shutil.rmtree(name) if name.is_dir() else name.unlink()
+    return out
+
+
+def _fit(runs: list[tuple[float, int]]) -> tuple[float, float]:
+    """(images per second, fixed seconds) of the line seconds = fixed + images / rate."""
+    import numpy as np
+
+    seconds, images = np.array([r[0] for r in runs]), np.array([r[1] for r in runs])
+    slope, intercept = np.polyfit(images, seconds, 1)
+    return 1.0 / slope, float(intercept)

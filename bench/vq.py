@@ -152,7 +152,7 @@ def run_hf(backend: str, args: argparse.Namespace, workdir: Path) -> dict:
 def run_stage(backend: str, args: argparse.Namespace, workdir: Path) -> None:
     """The tokenize step inside stage 3 against the bare loop (bench/stage_step.py)."""
     sys.path.insert(0, str(REPO / "bench"))
-    from stage_step import compare, decode, raw_images
+    from stage_step import compare, decode, pool_label, pool_section, raw_images
 
     from pairforge.tokenizers.registry import load_image_tokenizer
 
@@ -171,10 +171,9 @@ def run_stage(backend: str, args: argparse.Namespace, workdir: Path) -> None:
         codes = bare_fn(tok, [decode(data) for data, _ in samples], bs)
         return time.perf_counter() - start, len(codes)
 
-    tokenize = {"enabled": True, "image": spec, "batch_size": bs,
-                "torch_threads": args.threads}
-    compare(n, bare, {"tokenize": tokenize},
-            f"tokenize step, {backend}, batch {bs}, torch threads {args.threads}")
+    tokenize = {"enabled": True, "image": spec, "batch_size": bs, **pool_section(args)}
+    compare(n, bare, {"tokenize": tokenize}, f"tokenize step, {backend}, batch {bs}; "
+            f"{pool_label(args)}", multiples=args.multiples, repeats=args.repeats)
 
 
 def main() -> None:
@@ -190,6 +189,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats (ours)")
     parser.add_argument("--hf-repeats", type=int, default=1, help="timing repeats (transformers)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--pool-size", type=int, default=1, help="--stage: tokenize actors")
+    parser.add_argument("--stage-threads", type=int, default=None,
+                        help="--stage: torch threads per actor (default: --threads)")
+    parser.add_argument("--multiples", type=int, default=3,
+                        help="--stage: measure on N, 2N, .. this many times N images")
     parser.add_argument("--stage", action="store_true",
                         help="measure the tokenize step inside stage 3 instead (N and 2N "
                         "images; ours needs --checkpoint)")

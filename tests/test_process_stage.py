@@ -166,6 +166,38 @@ def test_two_model_pools_do_not_hang_two_cores(tmp_path, coco_raw, tiny_clip, ra
     assert summary["status"] == {"ok": N_IMAGES - 2, "http_error": 1, "caption_too_short": 1}
 
 
+def test_a_pool_shares_one_shard_batch_by_batch(tmp_path, coco_raw, ray_local, monkeypatch):
+    """A shard is cut into model batches, so both actors of a pool work on it (a shard used
+    to be one block, which went to one actor whatever the pool size)."""
+    import pyarrow as pa
+
+    from pairforge.pipeline.steps import ModelStep, StepResult
+
+    class ActorPidStep(ModelStep):  # a model step that says which actor ran each row
+        name = "actor_pid"
+        requires = ("image",)
+        provides = {"actor_pid": pa.int64()}
+
+        @classmethod
+        def pool_config(cls, cfg):
+            return cfg.process.clip
+
+        def process(self, rows):
+            time.sleep(0.5)  # long enough that the second actor is up before the shard ends
+            return StepResult(columns={"actor_pid": [os.getpid()] * rows.num_rows})
+
+    monkeypatch.setattr(process_module, "enabled_steps", lambda cfg: [ActorPidStep])
+    out = _fresh_out(tmp_path, coco_raw)
+    for extra in (out / "raw").iterdir():
+        if not extra.name.startswith("00000"):
+            extra.unlink()
+    cfg = parse_config(_config(out, {}, pool_size=2, batch_size=1))
+    summary = run_process(cfg, show_progress=False)
+    assert summary["status"] == {"ok": 9, "http_error": 1}
+    pids = [r["actor_pid"] for r in _rows(out).values() if r["status"] == "ok"]
+    assert len(pids) == 9 and None not in pids and len(set(pids)) == 2
+
+
 @pytest.mark.slow
 def test_resume_after_sigkill_gives_same_output(tmp_path, coco_raw, tiny_clip):
     def cli(out: Path, hold_last_shard: bool = False) -> subprocess.Popen:

@@ -125,6 +125,12 @@ def fit_actor_cpus(steps: list[type[Step]], cfg: PairforgeConfig,
     return {name: round(p.num_cpus * scale, 4) for name, p in pools.items()}
 
 
+def model_batch_rows(steps: list[type[Step]], cfg: PairforgeConfig) -> int | None:
+    """The smallest batch size of the model steps: the size of the blocks they receive."""
+    sizes = [s.pool_config(cfg).batch_size for s in steps if issubclass(s, ModelStep)]
+    return min(sizes) if sizes else None
+
+
 def add_step(ds: Any, step_cls: type[Step], cfg: PairforgeConfig,
              actor_cpus: dict[str, float] | None = None) -> Any:
     """Append one step to a Ray dataset: an actor pool for models, tasks otherwise."""
