@@ -283,11 +283,17 @@ def test_recaption_stage_caches_dedups_filters_and_chooses(
         assert bytes(tokens.astype(np.uint8)).decode() == text  # the byte tokenizer
     assert {r["caption_source"] for r in ok.values()} == {"recaption", "original"}
 
-    # a second build over the same inputs, sharing the cache: no generation at all
+    # a second build over the same inputs, sharing the cache: no generation at all, and no
+    # captioner loaded (its weights are away for the run)
     again = _config(_fresh_out(tmp_path / "b", recaption_raw), taught_blip, tiny_clip, tiny_vq,
                     cache={"path": str(shared_cache)}, grounding={"min_score": -1.0})
     out_b = Path(again["output"]["path"])
-    run_process(parse_config(again), show_progress=False)
+    weights = taught_blip / "model.safetensors"
+    hidden = weights.rename(tmp_path / "weights.hidden")
+    try:
+        run_process(parse_config(again), show_progress=False)
+    finally:
+        hidden.rename(weights)
     second = _rows(out_b)
     assert [r["recaption_origin"] for r in second.values() if r["status"] == "ok"] == [
         "cache"] * len(ok)

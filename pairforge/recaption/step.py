@@ -12,6 +12,7 @@ original or a seeded mix) and recorded as ``caption_source``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import Counter
 from typing import Any
@@ -23,7 +24,7 @@ from PIL import Image
 from pairforge.config import ModelPoolConfig, PairforgeConfig
 from pairforge.filters.clip import ClipScorer, decode_rgb, model_device
 from pairforge.pipeline.steps import ModelStep, StepResult
-from pairforge.recaption.backends import load_captioner
+from pairforge.recaption.backends import Captioner, load_captioner
 from pairforge.recaption.cache import CachedCaption, CaptionCache, build_id, cache_dir
 from pairforge.recaption.grounding import GroundingChecker, NounLexicon
 from pairforge.recaption.prompts import DEFAULT_PROMPT, STRICT_PROMPT, clean_caption
@@ -100,20 +101,28 @@ class RecaptionStep(ModelStep):
         super().__init__(cfg)
         rc = cfg.process.recaption
         self.neutralize = neutralize
-        device = model_device(rc)
-        self.captioner = load_captioner(rc, device)
+        self.device = model_device(rc)
         self.prompt = rc.prompt or DEFAULT_PROMPT
         self.lexicon = load_lexicon(rc.attribute_lexicons)
-        self.grounding = None
-        if rc.grounding.enabled:
-            self.grounding = GroundingChecker(ClipScorer(cfg.process.clip, device),
-                                              NounLexicon(rc.grounding.extra_nouns),
-                                              rc.grounding.min_score)
         self.cache = (CaptionCache.load(cache_dir(cfg), rc.cache.phash_distance)
                       if rc.cache.enabled else CaptionCache())
         self.registry = find_registry(registry_name(cfg))
         self.choice = cfg.process.training_caption()
         self.tasks = cfg.process.tasks
+
+    # The models load on first use: a build whose captions all come from the cache loads none.
+
+    @functools.cached_property
+    def captioner(self) -> Captioner:
+        return load_captioner(self.cfg.process.recaption, self.device)
+
+    @functools.cached_property
+    def grounding(self) -> GroundingChecker | None:
+        rc = self.cfg.process.recaption
+        if not rc.grounding.enabled:
+            return None
+        return GroundingChecker(ClipScorer(self.cfg.process.clip, self.device),
+                                NounLexicon(rc.grounding.extra_nouns), rc.grounding.min_score)
 
     # -- captioning with the safety checks --------------------------------------------------
 
