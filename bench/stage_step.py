@@ -80,12 +80,17 @@ WARMUP = 40
 def add_stage_args(parser: Any) -> None:
     """The bare loop's torch threads, the stage's actor pool, and how often to measure."""
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the bare loop")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per size; the best counts")
+    add_pool_args(parser)
+
+
+def add_pool_args(parser: Any) -> None:
+    """The stage's actor pool and the sizes to measure (the rest of ``add_stage_args``)."""
     parser.add_argument("--pool-size", type=int, default=1, help="actors of the stage's pool")
     parser.add_argument("--stage-threads", type=int, default=None,
                         help="torch threads per actor (default: --threads)")
     parser.add_argument("--multiples", type=int, default=3,
                         help="measure on N, 2N, .. this many times N images")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per size; the best counts")
 
 
 def pool_section(args: Any) -> dict[str, int]:
@@ -144,9 +149,11 @@ def _fresh(out: Path) -> Path:
     """``out`` without a previous stage-3 run's output, so the stage redoes every shard."""
     import shutil
 
-    for name in out.iterdir():
-        if name.name != "raw":
-            shutil.rmtree(name) if name.is_dir() else name.unlink()
+    for path in out.iterdir():
+        if path.is_dir() and path.name != "raw":
+            shutil.rmtree(path)
+        elif path.is_file():
+            path.unlink()
     return out
 
 

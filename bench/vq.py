@@ -35,6 +35,8 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from stage_step import add_pool_args  # noqa: E402
+
 from pairforge.tokenizers import tiny  # noqa: E402
 from pairforge.tokenizers.hf_vq import HFVQTokenizer  # noqa: E402
 from pairforge.tokenizers.train_vq import evaluate, iter_image_bytes, load_arrays  # noqa: E402
@@ -189,11 +191,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats (ours)")
     parser.add_argument("--hf-repeats", type=int, default=1, help="timing repeats (transformers)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("--pool-size", type=int, default=1, help="--stage: tokenize actors")
-    parser.add_argument("--stage-threads", type=int, default=None,
-                        help="--stage: torch threads per actor (default: --threads)")
-    parser.add_argument("--multiples", type=int, default=3,
-                        help="--stage: measure on N, 2N, .. this many times N images")
+    add_pool_args(parser)  # --stage: the tokenize pool and the sizes measured
     parser.add_argument("--stage", action="store_true",
                         help="measure the tokenize step inside stage 3 instead (N and 2N "
                         "images; ours needs --checkpoint)")

@@ -183,10 +183,14 @@ def test_a_pool_shares_one_shard_batch_by_batch(tmp_path, coco_raw, ray_local, m
             return cfg.process.clip
 
         def process(self, rows):
-            time.sleep(0.5)  # long enough that the second actor is up before the shard ends
+            time.sleep(0.5)  # busy while the next batch is handed out
             return StepResult(columns={"actor_pid": [os.getpid()] * rows.num_rows})
 
+    from ray.data import DataContext
+
     monkeypatch.setattr(process_module, "enabled_steps", lambda cfg: [ActorPidStep])
+    # both actors up before the first batch, so a slow start cannot leave one idle
+    monkeypatch.setattr(DataContext.get_current(), "wait_for_min_actors_s", 120)
     out = _fresh_out(tmp_path, coco_raw)
     for extra in (out / "raw").iterdir():
         if not extra.name.startswith("00000"):

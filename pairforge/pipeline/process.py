@@ -30,7 +30,7 @@ from pairforge.filters.basic import BasicFilterStep
 from pairforge.filters.clip import ClipStep
 from pairforge.pipeline.progress import StageDisplay
 from pairforge.pipeline.ray_runtime import init_ray
-from pairforge.pipeline.steps import Step, add_step, fit_actor_cpus, model_batch_rows
+from pairforge.pipeline.steps import TASK_CPUS, Step, add_steps, fit_actor_cpus
 from pairforge.recaption import cache as recaption_cache
 from pairforge.recaption.registry import start_registry
 from pairforge.recaption.step import RecaptionStep, recaption_stats, registry_name
@@ -62,7 +62,6 @@ SAMPLE_FIELDS = ["key", "url", "caption", "width", "height", "original_width",
                  "original_height", "image_format", "sha256", "pixel_hash", "phash",
                  "clip_score", "recaption", "recaption_flags", "caption_source"]
 TOKEN_FIELDS = ["task", "n_image_tokens", "token_grid", "n_caption_tokens"]
-LOAD_CPUS = 0.25  # reading a raw shard is mostly waiting on storage
 
 
 def enabled_steps(cfg: PairforgeConfig) -> list[type[Step]]:
@@ -192,16 +191,6 @@ def _write_scores_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
     return {"shard": plan.shard_id, "count": table.num_rows}
 
 
-def _cut_into_batches(ds: Any, rows: int) -> Any:
-    """Blocks of ``rows`` rows instead of one block per shard, so that a shard spreads over
-    every actor of a pool (one actor task is one batch) instead of going to a single actor."""
-    ds = ds.repartition(target_num_rows_per_block=rows)
-    # Ray asks one CPU for each repartition task, which the actor pools may all hold: the
-    # stage would hang. At the reading task's fraction Ray fuses both into the reading task.
-    ds._logical_plan.dag.ray_remote_args["num_cpus"] = LOAD_CPUS
-    return ds
-
-
 def _stream(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan], steps: list[type[Step]],
             writer: Callable, stats_extra: dict[str, Any], display: StageDisplay | None) -> None:
     """Run the step chain over the planned shards, handing each full shard to ``writer``."""
@@ -230,14 +219,10 @@ def _stream(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan], steps:
         dups = {p.shard_id: set(p.duplicates) for p in todo}
         ds = ray.data.from_items([{"shard": p.shard_id} for p in todo],
                                  override_num_blocks=len(todo))
-        ds = ds.map_batches(load_rows, batch_size=1, batch_format="pyarrow", num_cpus=LOAD_CPUS,
+        ds = ds.map_batches(load_rows, batch_size=1, batch_format="pyarrow", num_cpus=TASK_CPUS,
                             fn_args=(out.url, cfg.output.storage_options, dups))
         actor_cpus = fit_actor_cpus(steps, cfg, ray.cluster_resources().get("CPU", 1.0))
-        batch_rows = model_batch_rows(steps, cfg)
-        if batch_rows:
-            ds = _cut_into_batches(ds, batch_rows)
-        for step in steps:
-            ds = add_step(ds, step, cfg, actor_cpus)
+        ds = add_steps(ds, steps, cfg, actor_cpus)
         ds = ds.drop_columns(["image"])
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             for shard_id in pc.unique(batch["shard"]).to_pylist():

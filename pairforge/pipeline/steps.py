@@ -112,7 +112,7 @@ def _run_plain_step(step_cls: type[Step], cfg: PairforgeConfig, batch: pa.Table)
 # CPUs for the whole run: if pools took every CPU, no task could run and the stage would
 # hang (Ray's default of one CPU per actor does exactly that on a small machine).
 TASK_CPU_RESERVE = 0.75
-PLAIN_STEP_CPUS = 0.25
+TASK_CPUS = 0.25  # each plain task of the stage: reading a raw shard, a plain step
 
 
 def fit_actor_cpus(steps: list[type[Step]], cfg: PairforgeConfig,
@@ -125,10 +125,30 @@ def fit_actor_cpus(steps: list[type[Step]], cfg: PairforgeConfig,
     return {name: round(p.num_cpus * scale, 4) for name, p in pools.items()}
 
 
-def model_batch_rows(steps: list[type[Step]], cfg: PairforgeConfig) -> int | None:
-    """The smallest batch size of the model steps: the size of the blocks they receive."""
-    sizes = [s.pool_config(cfg).batch_size for s in steps if issubclass(s, ModelStep)]
-    return min(sizes) if sizes else None
+def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
+              actor_cpus: dict[str, float]) -> Any:
+    """Append the step chain; before the first model step, cut the blocks into batches of
+    the smallest model ``batch_size``. A shard arrives as one block, and one block goes to
+    one actor: cut, it spreads over every actor of a pool, one model call per actor task.
+    The plain steps before it stay fused with the reading task, one task per shard."""
+    batch_sizes = [s.pool_config(cfg).batch_size for s in steps if issubclass(s, ModelStep)]
+    cut = False
+    for step in steps:
+        if issubclass(step, ModelStep) and not cut:
+            ds = _cut_into_blocks(ds, min(batch_sizes))
+            cut = True
+        ds = add_step(ds, step, cfg, actor_cpus)
+    return ds
+
+
+def _cut_into_blocks(ds: Any, rows: int) -> Any:
+    ds = ds.repartition(target_num_rows_per_block=rows)
+    # Ray asks one CPU for each repartition task, which the actor pools may all hold: the
+    # stage would hang. At the plain tasks' fraction Ray fuses it into the task before it.
+    # (Ray Data has no public argument for this; ray is pinned, and the pool tests in
+    # tests/test_process_stage.py hang or fail if it stops working.)
+    ds._logical_plan.dag.ray_remote_args["num_cpus"] = TASK_CPUS
+    return ds
 
 
 def add_step(ds: Any, step_cls: type[Step], cfg: PairforgeConfig,
@@ -149,4 +169,4 @@ def add_step(ds: Any, step_cls: type[Step], cfg: PairforgeConfig,
                               compute=ActorPoolStrategy(size=pool.pool_size),
                               num_cpus=num_cpus, **extra)
     return ds.map_batches(functools.partial(_run_plain_step, step_cls, cfg), batch_size=None,
-                          batch_format="pyarrow", num_cpus=PLAIN_STEP_CPUS)
+                          batch_format="pyarrow", num_cpus=TASK_CPUS)
