@@ -202,6 +202,84 @@ def test_a_pool_shares_one_shard_batch_by_batch(tmp_path, coco_raw, ray_local, m
     assert len(pids) == 9 and None not in pids and len(set(pids)) == 2
 
 
+def test_shards_are_written_while_the_pool_still_works(tmp_path, coco_raw, ray_local,
+                                                      monkeypatch):
+    """A shard is written as soon as its rows are back, while the actors go on with later
+    shards. (After an actor pool, an operator that asked Ray for a whole CPU waited for
+    the pool to end, so every write came after the last model call and every image
+    stayed in the object store until then.)"""
+    import pyarrow as pa
+
+    from pairforge.pipeline.steps import ModelStep, StepResult
+
+    ok_rows = N_IMAGES - 1  # one 404; the basic filter is off
+    out_dir = None
+
+    class LastBatchWaits(ModelStep):  # one actor: its last batch is the run's last
+        name = "last_batch_waits"
+        provides = {"shards_written": pa.int64()}
+        seen = 0
+
+        @classmethod
+        def pool_config(cls, cfg):
+            return cfg.process.clip
+
+        def process(self, rows):
+            self.seen += rows.num_rows
+            written = []
+            deadline = time.monotonic() + 60
+            # Ray may hand the last batch over in one task with a neighbour shard's last
+            # rows, but the shards before those are back and written by now
+            while self.seen == ok_rows and not written and time.monotonic() < deadline:
+                written = list((out_dir / "shards").glob("*_stats.json"))
+                time.sleep(0.1)
+            return StepResult(columns={"shards_written": [len(written)] * rows.num_rows})
+
+    monkeypatch.setattr(process_module, "enabled_steps", lambda cfg: [LastBatchWaits])
+    out_dir = _fresh_out(tmp_path, coco_raw)
+    # the actor asks for all the CPUs that the stage's tasks leave (1.25 of 2)
+    cfg = parse_config(_config(out_dir, {}, pool_size=1, batch_size=2, num_cpus=2))
+    run_process(cfg, show_progress=False)
+    written = [r["shards_written"] for r in _rows(out_dir).values() if r["status"] == "ok"]
+    assert len(written) == ok_rows
+    assert max(written) >= 1, written  # a shard was complete before the last model call
+
+
+def _seconds_since_boot() -> float:
+    with open("/proc/uptime") as f:
+        return float(f.read().split()[0])
+
+
+def test_task_workers_outlive_pauses_while_actors_hold_the_cpus(ray_local):
+    """While two actors hold the 2 CPUs, a task after a pause of 1.5 s runs in a worker
+    that was already there. (Ray's default keeps one idle worker per CPU, actors included,
+    and kills the others after 1 s: each task of stage 3 then paid for a new process.)"""
+    import ray
+
+    @ray.remote(num_cpus=0.75)
+    class Holder:
+        def ready(self) -> bool:
+            return True
+
+    def worker_started() -> tuple[int, float]:  # defined here: Ray ships it by value
+        """(pid, start time in seconds since boot) of the process this runs in."""
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        return os.getpid(), ticks / os.sysconf("SC_CLK_TCK")
+
+    holders = [Holder.remote() for _ in range(2)]
+    ray.get([h.ready.remote() for h in holders])
+    started = ray.remote(num_cpus=0.25)(worker_started)
+    ray.get(started.remote())
+    for _ in range(2):
+        pause_began = _seconds_since_boot()
+        time.sleep(1.5)
+        pid, worker_started = ray.get(started.remote())
+        assert worker_started < pause_began, f"worker {pid} was started after the pause"
+    for holder in holders:
+        ray.kill(holder)
+
+
 @pytest.mark.slow
 def test_resume_after_sigkill_gives_same_output(tmp_path, coco_raw, tiny_clip):
     def cli(out: Path, hold_last_shard: bool = False) -> subprocess.Popen:

@@ -222,8 +222,7 @@ def _stream(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan], steps:
         ds = ds.map_batches(load_rows, batch_size=1, batch_format="pyarrow", num_cpus=TASK_CPUS,
                             fn_args=(out.url, cfg.output.storage_options, dups))
         actor_cpus = fit_actor_cpus(steps, cfg, ray.cluster_resources().get("CPU", 1.0))
-        ds = add_steps(ds, steps, cfg, actor_cpus)
-        ds = ds.drop_columns(["image"])
+        ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=("image",))
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             for shard_id in pc.unique(batch["shard"]).to_pylist():
                 part = batch.filter(pc.equal(batch["shard"], shard_id)).drop_columns(["shard"])

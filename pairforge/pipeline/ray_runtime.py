@@ -41,6 +41,15 @@ def _stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
+def local_system_config(cfg: RayConfig) -> dict[str, Any]:
+    """Ray settings of a local instance (a cluster sets them with ``RAY_<name>`` at
+    ``ray start``). Ray kills idle workers beyond one per CPU after a second, and actors
+    count: while model pools hold the CPUs, each reading or writing task of stage 3 would
+    start a fresh worker process (~1 s of CPU). Twice the CPUs keeps the task workers."""
+    cpus = cfg.num_cpus or os.cpu_count() or 1
+    return {"num_workers_soft_limit": 2 * cpus + 2}
+
+
 def init_ray(cfg: RayConfig) -> None:
     """Join ``cfg.address`` / ``RAY_ADDRESS`` if set, else start a capped local instance."""
     import ray
@@ -57,7 +66,8 @@ def init_ray(cfg: RayConfig) -> None:
             ray.init(address=address, **common)
         else:
             ray.init(num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory,
-                     include_dashboard=False, **common)
+                     include_dashboard=False, _system_config=local_system_config(cfg),
+                     **common)
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     from ray.data import DataContext

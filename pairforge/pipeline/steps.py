@@ -42,14 +42,15 @@ class Step:
     def process(self, rows: pa.Table) -> StepResult:
         raise NotImplementedError
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def __call__(self, batch: pa.Table, drop: tuple[str, ...] = ()) -> pa.Table:
+        """The batch with this step's columns; ``drop``: columns no later step needs."""
         missing = [c for c in self.requires if c not in batch.column_names]
         if missing:
             raise KeyError(f"step {self.name} needs columns {missing}")
         ok = pc.equal(batch["status"], Status.OK.value).to_numpy(zero_copy_only=False)
         index = np.flatnonzero(ok)
         result = self.process(batch.take(index)) if len(index) else StepResult()
-        return merge_result(batch, index, result, self.provides)
+        return merge_result(batch, index, result, self.provides).drop_columns(list(drop))
 
 
 def _scatter(values: pa.Array | list, index: np.ndarray, length: int,
@@ -104,8 +105,9 @@ class ModelStep(Step):
             torch.set_num_threads(threads)
 
 
-def _run_plain_step(step_cls: type[Step], cfg: PairforgeConfig, batch: pa.Table) -> pa.Table:
-    return step_cls(cfg)(batch)
+def _run_plain_step(step_cls: type[Step], cfg: PairforgeConfig, batch: pa.Table,
+                    drop: tuple[str, ...] = ()) -> pa.Table:
+    return step_cls(cfg)(batch, drop)
 
 
 # CPUs left free of actors for the reading, filtering and writing tasks. Actors hold their
@@ -126,18 +128,23 @@ def fit_actor_cpus(steps: list[type[Step]], cfg: PairforgeConfig,
 
 
 def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
-              actor_cpus: dict[str, float]) -> Any:
-    """Append the step chain; before the first model step, cut the blocks into batches of
-    the smallest model ``batch_size``. A shard arrives as one block, and one block goes to
-    one actor: cut, it spreads over every actor of a pool, one model call per actor task.
-    The plain steps before it stay fused with the reading task, one task per shard."""
+              actor_cpus: dict[str, float], drop_after: tuple[str, ...] = ()) -> Any:
+    """Append the step chain; the last step drops the ``drop_after`` columns (the image:
+    the writer has it, so results travel small). Before the first model step, cut the
+    blocks into batches of the smallest model ``batch_size``. A shard arrives as one
+    block, and one block goes to one actor: cut, it spreads over every actor of a pool,
+    one model call per actor task. The plain steps before it stay fused with the reading
+    task, one task per shard."""
+    if not steps:
+        # Ray asks a whole CPU for this task by default (see _cut_into_blocks)
+        return ds.drop_columns(list(drop_after), num_cpus=TASK_CPUS)
     batch_sizes = [s.pool_config(cfg).batch_size for s in steps if issubclass(s, ModelStep)]
     cut = False
-    for step in steps:
+    for i, step in enumerate(steps):
         if issubclass(step, ModelStep) and not cut:
             ds = _cut_into_blocks(ds, min(batch_sizes))
             cut = True
-        ds = add_step(ds, step, cfg, actor_cpus)
+        ds = add_step(ds, step, cfg, actor_cpus, drop_after if i == len(steps) - 1 else ())
     return ds
 
 
@@ -152,8 +159,10 @@ def _cut_into_blocks(ds: Any, rows: int) -> Any:
 
 
 def add_step(ds: Any, step_cls: type[Step], cfg: PairforgeConfig,
-             actor_cpus: dict[str, float] | None = None) -> Any:
-    """Append one step to a Ray dataset: an actor pool for models, tasks otherwise."""
+             actor_cpus: dict[str, float] | None = None, drop: tuple[str, ...] = ()) -> Any:
+    """Append one step to a Ray dataset: an actor pool for models, tasks otherwise. No
+    other operator may follow an actor pool unless it asks for at most ``TASK_CPUS``:
+    Ray's default of one CPU would wait until the pools are gone, at the end of the run."""
     if issubclass(step_cls, ModelStep):
         pool = step_cls.pool_config(cfg)
         num_cpus = (actor_cpus or {}).get(step_cls.name, pool.num_cpus)
@@ -165,8 +174,8 @@ def add_step(ds: Any, step_cls: type[Step], cfg: PairforgeConfig,
         from ray.data import ActorPoolStrategy
 
         return ds.map_batches(step_cls, fn_constructor_args=(cfg,), batch_size=pool.batch_size,
-                              batch_format="pyarrow",
+                              batch_format="pyarrow", fn_kwargs={"drop": drop},
                               compute=ActorPoolStrategy(size=pool.pool_size),
                               num_cpus=num_cpus, **extra)
     return ds.map_batches(functools.partial(_run_plain_step, step_cls, cfg), batch_size=None,
-                          batch_format="pyarrow", num_cpus=TASK_CPUS)
+                          batch_format="pyarrow", fn_kwargs={"drop": drop}, num_cpus=TASK_CPUS)

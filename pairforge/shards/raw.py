@@ -11,10 +11,10 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import webdataset as wds
 
 from pairforge.records import Status, raw_schema
 from pairforge.shards.storage import OutputDir
+from pairforge.shards.tar import SampleTarWriter
 
 
 def shard_name(shard_id: int) -> str:
@@ -38,14 +38,14 @@ class RawShardWriter:
         self.extra_columns = extra_columns
         self.rows: list[dict[str, Any]] = []
         self._tar_cm = out.open_atomic(folder, f"{shard_name(shard_id)}.tar")
-        self._tar = wds.TarWriter(self._tar_cm.__enter__())
+        self._tar = SampleTarWriter(self._tar_cm.__enter__())
 
     def add(self, row: dict[str, Any], image: bytes | None, extension: str | None,
             meta: dict[str, Any] | None) -> None:
         self.rows.append(row)
         if row["status"] == Status.OK:
-            self._tar.write({"__key__": row["key"], extension: image,
-                             "txt": row["caption"] or "", "json": meta})
+            self._tar.write(row["key"], {extension: image, "txt": row["caption"] or "",
+                                         "json": meta})
 
     def close(self, stats: dict[str, Any]) -> dict[str, Any]:
         self._tar.close()

@@ -15,13 +15,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import webdataset as wds
-from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from pairforge.config import TasksConfig
 from pairforge.records import Status, json_safe
 from pairforge.shards.raw import shard_name, stats_name
 from pairforge.shards.storage import EMBEDDINGS_FOLDER, RAW_FOLDER, SHARDS_FOLDER, OutputDir
+from pairforge.shards.tar import SampleTarWriter, iter_samples
 from pairforge.shards.tasks import IMG, assign_tasks, share_report, start_offset
 
 IMAGE_EXTENSIONS = ("jpg", "webp", "png")
@@ -35,11 +34,10 @@ def read_raw_images(out: OutputDir, shard_id: int, keys: set[str]) -> dict[str, 
         return found
     path = out.path(RAW_FOLDER, f"{shard_name(shard_id)}.tar")
     with out.fs.open(path, "rb") as f:
-        for sample in group_by_keys(tar_file_expander([{"stream": f, "url": path}])):
-            key = sample["__key__"]
+        for key, files in iter_samples(f):
             if key in keys:
-                ext = next(e for e in IMAGE_EXTENSIONS if e in sample)
-                found[key] = (ext, sample[ext])
+                ext = next(e for e in IMAGE_EXTENSIONS if e in files)
+                found[key] = (ext, files[ext])
     return found
 
 
@@ -75,10 +73,10 @@ def _npy(values: list[int], shape: list[int] | None = None) -> bytes:
 
 
 def _sample(row: dict[str, Any], image: tuple[str, bytes], fields: list[str]) -> dict[str, Any]:
+    """The files of one training sample, by extension."""
     ext, data = image
     text = row["train_caption"] if "train_caption" in row else row.get("caption")
-    sample = {"__key__": row["key"], ext: data, "txt": text or "",
-              "json": _sample_json(row, fields)}
+    sample = {ext: data, "txt": text or "", "json": _sample_json(row, fields)}
     if row.get("image_tokens") is not None:
         sample["vq.npy"] = _npy(row["image_tokens"], row["token_grid"])
         sample["tok.npy"] = _npy(row["caption_tokens"] or [])
@@ -125,11 +123,9 @@ def write_training_shard(out: OutputDir, shard_id: int, rows: list[dict[str, Any
     budget = label_tasks(ok, shard_id, tasks)
     images = read_raw_images(out, shard_id, {r["key"] for r in ok})
     name = shard_name(shard_id)
-    with out.open_atomic(SHARDS_FOLDER, f"{name}.tar") as f:
-        writer = wds.TarWriter(f)
+    with out.open_atomic(SHARDS_FOLDER, f"{name}.tar") as f, SampleTarWriter(f) as writer:
         for row in ok:
-            writer.write(_sample(row, images[row["key"]], meta_fields))
-        writer.close()
+            writer.write(row["key"], _sample(row, images[row["key"]], meta_fields))
     embeddings = [r.pop("clip_embedding", None) for r in rows]
     write_embeddings(out, shard_id, [r["key"] for r in rows], embeddings)
     # One schema for every shard, so readers can open them all as one dataset.
