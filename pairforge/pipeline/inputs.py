@@ -25,6 +25,7 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError, InputConfig
+from pairforge.shards.tar import split_member_name
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 TABLE_FORMATS = ("txt", "csv", "tsv", "json", "jsonl", "parquet")
@@ -151,9 +152,10 @@ def _tar_rows(fs: fsspec.AbstractFileSystem, path: str, cfg: InputConfig) -> pa.
         texts: dict[str, bytes] = {}
         metas: dict[str, dict] = {}
         for info in tar:
-            if not info.isfile() or "." not in posixpath.basename(info.name):
+            stem, ext = split_member_name(info.name)
+            if not info.isfile() or stem is None:
                 continue
-            stem, ext = _split_sample_name(info.name)
+            ext = ext.lower()
             members.setdefault(stem, {})[ext] = info
             if ext == "txt":
                 texts[stem] = tar.extractfile(info).read()
@@ -171,13 +173,6 @@ def _tar_rows(fs: fsspec.AbstractFileSystem, path: str, cfg: InputConfig) -> pa.
     return pa.table({"url": pa.array(urls, pa.string()),
                      "caption": pa.array(captions, pa.binary()),
                      "source": pa.array(sources, pa.string())})
-
-
-def _split_sample_name(name: str) -> tuple[str, str]:
-    # WebDataset: the key is everything before the first dot of the basename.
-    folder, base = posixpath.split(name)
-    stem, ext = base.split(".", 1)
-    return posixpath.join(folder, stem), ext.lower()
 
 
 def read_input_table(cfg: InputConfig) -> pa.Table:
