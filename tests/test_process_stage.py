@@ -456,6 +456,18 @@ def test_verify_catches_a_deleted_sample(tokenized_dataset, tmp_path):
     assert cli.returncode == 1
 
 
+def test_verify_names_a_member_without_an_extension(tokenized_dataset, tmp_path):
+    import tarfile
+
+    from pairforge.shards.verify import verify_dataset
+
+    data = _copy(tokenized_dataset, tmp_path)
+    _rewrite_tar(data / "shards" / "00001.tar",
+                 lambda ms: [*ms, (tarfile.TarInfo("README"), b"stray")])
+    problems = verify_dataset(str(data))
+    assert "00001.tar: member README is not named KEY.EXT" in problems
+
+
 def test_verify_catches_a_truncated_tar(tokenized_dataset, tmp_path):
     from pairforge.shards.verify import verify_dataset
 

@@ -196,7 +196,7 @@ def _stream(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan], steps:
     """Run the step chain over the planned shards, handing each full shard to ``writer``."""
     import ray
 
-    write = ray.remote(num_cpus=0.25, max_retries=cfg.ray.max_task_retries)(writer)
+    write = ray.remote(num_cpus=TASK_CPUS, max_retries=cfg.ray.max_task_retries)(writer)
     by_id = {p.shard_id: p for p in plans}
     buffers: dict[int, list[pa.Table]] = defaultdict(list)
     received: Counter = Counter()

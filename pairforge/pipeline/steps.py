@@ -114,7 +114,7 @@ def _run_plain_step(step_cls: type[Step], cfg: PairforgeConfig, batch: pa.Table,
 # CPUs for the whole run: if pools took every CPU, no task could run and the stage would
 # hang (Ray's default of one CPU per actor does exactly that on a small machine).
 TASK_CPU_RESERVE = 0.75
-TASK_CPUS = 0.25  # each plain task of the stage: reading a raw shard, a plain step
+TASK_CPUS = 0.25  # each task of the stage: reading a raw shard, a plain step, writing
 
 
 def fit_actor_cpus(steps: list[type[Step]], cfg: PairforgeConfig,

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
+from pairforge.shards.tar import split_member_name
 
 REQUIRED = ("txt", "json")
 IMAGE_EXTS = ("jpg", "webp", "png")
@@ -24,7 +25,10 @@ def _read_samples(out: OutputDir, name: str) -> tuple[dict[str, dict[str, bytes]
         with out.fs.open(out.path(SHARDS_FOLDER, name), "rb") as f, \
                 tarfile.open(fileobj=f, mode="r|") as tar:
             for info in tar:
-                key, ext = info.name.split(".", 1)
+                key, ext = split_member_name(info.name)
+                if key is None:
+                    problems.append(f"{name}: member {info.name} is not named KEY.EXT")
+                    continue
                 if ext in samples.get(key, {}):
                     problems.append(f"{name}: {key}.{ext} appears twice")
                 samples.setdefault(key, {})[ext] = tar.extractfile(info).read()
