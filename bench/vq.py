@@ -193,8 +193,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     add_pool_args(parser)  # --stage: the tokenize pool and the sizes measured
     parser.add_argument("--stage", action="store_true",
-                        help="measure the tokenize step inside stage 3 instead (N and 2N "
-                        "images; ours needs --checkpoint)")
+                        help="measure the tokenize step inside stage 3 instead (N, 2N, .. "
+                        "--multiples times N images; ours needs --checkpoint)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
