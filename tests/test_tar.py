@@ -10,7 +10,7 @@ import tarfile
 import pytest
 import webdataset as wds
 
-from pairforge.shards.tar import SampleTarWriter, iter_samples, split_member_name
+from pairforge.shards.tar import SampleTarWriter, iter_samples, read_samples, split_member_name
 
 SAMPLES = [("000000001", {"jpg": b"\xff\xd8jpeg", "txt": "a dog on a sofa",
                           "json": {"key": "000000001", "width": 64}, "vq.npy": b"\x93NUMPY"}),
@@ -71,6 +71,63 @@ def test_iter_samples_skips_directories_and_names_without_extension():
             tar.addfile(info, io.BytesIO(data))
     buffer.seek(0)
     assert list(iter_samples(buffer)) == [("images/a", {"jpg": b"1", "txt": b"2"})]
+
+
+def _tarfile_archive(members: list[tuple[str, bytes]], fmt: int, mtime: float = 1_700_000_000
+                     ) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w|", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), mtime, 0o444
+            info.uname = info.gname = "bigdata"
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def test_the_writer_writes_the_bytes_tarfile_writes():
+    members = [("000000001.jpg", b"\xff" * 700), ("000000001.txt", b""),
+               ("dir/000000002.vq.npy", b"x" * 512), ("000000003.json", b"{}")]
+    buffer = io.BytesIO()
+    with SampleTarWriter(buffer, mtime=1_700_000_000) as writer:
+        for name, data in members:
+            key, extension = split_member_name(name)
+            writer.write(key, {extension: data})
+    assert buffer.getvalue() == _tarfile_archive(members, tarfile.USTAR_FORMAT)
+
+
+def test_a_name_longer_than_ustar_holds_gets_a_pax_header():
+    key = "k" * 120
+    buffer = io.BytesIO()
+    with SampleTarWriter(buffer) as writer:
+        writer.write(key, {"jpg": b"1", "txt": "caf\u00e9"})
+    with tarfile.open(fileobj=io.BytesIO(buffer.getvalue())) as tar:
+        assert tar.getnames() == [f"{key}.jpg", f"{key}.txt"]
+    assert list(read_samples(buffer.getvalue())) == [
+        (key, {"jpg": b"1", "txt": "caf\u00e9".encode()})]
+
+
+@pytest.mark.parametrize("archive", [
+    pytest.param(_tar_bytes(), id="ours"),
+    pytest.param(_tarfile_archive([("a.jpg", b"1"), ("a.txt", b"2"), ("b.jpg", b"3" * 600)],
+                                  tarfile.GNU_FORMAT), id="gnu"),
+    pytest.param(_tarfile_archive([("a.jpg", b"1"), ("b.jpg", b"3")], tarfile.PAX_FORMAT,
+                                  mtime=1.5), id="pax-float-mtime-like-webdataset"),
+    pytest.param(_tarfile_archive([("images/a.JPG", b"1"), ("README", b"x")],
+                                  tarfile.USTAR_FORMAT), id="no-extension"),
+])
+def test_read_samples_gives_what_iter_samples_gives(archive):
+    assert list(read_samples(archive)) == list(iter_samples(io.BytesIO(archive)))
+
+
+def test_read_samples_refuses_a_truncated_or_damaged_archive():
+    archive = _tar_bytes()
+    with pytest.raises(tarfile.ReadError):
+        list(read_samples(archive[:512 + 100]))  # the first member's data is cut
+    damaged = bytearray(archive)
+    damaged[5] ^= 0xFF  # a name byte: the header's checksum no longer holds
+    with pytest.raises(tarfile.ReadError):
+        list(read_samples(bytes(damaged)))
 
 
 def test_split_member_name_is_webdatasets():

@@ -1,4 +1,4 @@
-"""WebDataset tar files read and written with the standard library's ``tarfile``.
+"""WebDataset tar files written and read without webdataset, at the speed stage 3 needs.
 
 The layout is webdataset's: one member per file of a sample, named ``KEY.EXT``, a sample's
 members next to each other in extension order, read back grouped by key. The pipeline's
@@ -6,8 +6,14 @@ reading and writing workers use this module instead of webdataset itself, becaus
 ``import webdataset`` imports torch when it is installed: 1.6 s of CPU and ~300 MB in every
 Ray worker that only moves bytes, paid again each time Ray starts a worker.
 
-Headers carry a whole-second mtime. webdataset's ``TarWriter`` stamps a float, which makes
-``tarfile`` add a pax header before every member: twice the headers to write and to parse.
+Why not ``tarfile`` alone: building and parsing a header in ``tarfile`` costs 25-60 us of
+Python, and a training sample has five members. For a tiny tokenizer that is more than a
+tenth of the model's time. So the writer fills one prebuilt ustar header per member (the
+bytes ``tarfile`` writes for the same member, a test checks), and ``read_samples`` walks
+plain ustar headers of an archive in memory; anything else (pax or GNU long-name headers,
+names over 100 bytes, old v7 archives) goes through ``tarfile``. Headers carry a
+whole-second mtime: webdataset's ``TarWriter`` stamps a float, which makes ``tarfile`` add
+a pax header before every member.
 """
 
 from __future__ import annotations
@@ -17,9 +23,13 @@ import json
 import re
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import IO, Any
+
+BLOCK = tarfile.BLOCKSIZE
+_ZEROS = bytes(tarfile.RECORDSIZE)
+_PLAIN_FILE, _DIRECTORY = (b"0", b"\0"), b"5"
 
 # webdataset's split of a member name into sample key and extension (its base_plus_ext)
 _KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
@@ -36,27 +46,67 @@ def _encode(extension: str, value: Any) -> bytes:
                     f"not {type(value).__name__}")
 
 
+def _member_info(name: str, size: int, mtime: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, mtime, 0o444
+    info.uname = info.gname = "bigdata"  # as webdataset's TarWriter
+    return info
+
+
+class _HeaderTemplate:
+    """ustar headers of read-only files with one mtime: only name, size and checksum vary."""
+
+    def __init__(self, mtime: int) -> None:
+        self.mtime = mtime
+        self._blank = bytearray(_member_info("", 0, mtime).tobuf(tarfile.USTAR_FORMAT))
+        self._blank[148:156] = b" " * 8  # the checksum counts its own field as spaces
+        self._sum = sum(self._blank) - sum(self._blank[124:136])  # without the size field
+
+    def header(self, name: str, size: int) -> bytes:
+        encoded = name.encode("utf-8")
+        if len(encoded) > 100 or size >= 8 ** 11 or not encoded.isascii():
+            return _member_info(name, size, self.mtime).tobuf(
+                tarfile.PAX_FORMAT, "utf-8", "surrogateescape")  # long names: a pax header
+        size_field = b"%011o\0" % size
+        header = self._blank.copy()
+        header[:len(encoded)] = encoded
+        header[124:136] = size_field
+        checksum = self._sum + sum(encoded) + sum(size_field)
+        header[148:155] = b"%06o\0" % checksum
+        return bytes(header)
+
+
 class SampleTarWriter:
     """Writes samples to a binary stream; ``close`` ends the archive (the stream stays open)."""
 
     def __init__(self, stream: IO[bytes], mtime: int | None = None) -> None:
-        self._tar = tarfile.open(fileobj=stream, mode="w|")  # noqa: SIM115 - close() ends it
-        self._mtime = int(time.time()) if mtime is None else int(mtime)
+        self._stream = stream
+        self._headers = _HeaderTemplate(int(time.time()) if mtime is None else int(mtime))
+        self._offset = 0
+        self._closed = False
 
     def write(self, key: str, files: dict[str, Any]) -> int:
         """One sample: ``files`` maps extension to bytes, str or (json) a dict. Returns bytes."""
         total = 0
         for extension in sorted(files):
             data = _encode(extension, files[extension])
-            info = tarfile.TarInfo(f"{key}.{extension}")
-            info.size, info.mtime, info.mode = len(data), self._mtime, 0o444
-            info.uname = info.gname = "bigdata"  # as webdataset's TarWriter
-            self._tar.addfile(info, io.BytesIO(data))
+            header = self._headers.header(f"{key}.{extension}", len(data))
+            padding = -len(data) % BLOCK
+            self._stream.write(header)
+            self._stream.write(data)
+            self._stream.write(_ZEROS[:padding])
+            self._offset += len(header) + len(data) + padding
             total += len(data)
         return total
 
     def close(self) -> None:
-        self._tar.close()
+        """Two zero blocks end the archive, padded to a whole record as ``tarfile`` does."""
+        if self._closed:
+            return
+        end = 2 * BLOCK
+        end += -(self._offset + end) % tarfile.RECORDSIZE
+        self._stream.write(bytes(end))
+        self._closed = True
 
     def __enter__(self) -> SampleTarWriter:
         return self
@@ -72,22 +122,72 @@ def split_member_name(name: str) -> tuple[str | None, str | None]:
     return (match.group(1), match.group(2)) if match else (None, None)
 
 
-def iter_samples(stream: IO[bytes]) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """``(key, {extension: bytes})`` per sample, in file order; members without an
-    extension (directories, stray files) are skipped."""
+def _group_by_key(members: Iterable[tuple[str, bytes]]
+                  ) -> Iterator[tuple[str, dict[str, bytes]]]:
     key: str | None = None
     files: dict[str, bytes] = {}
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
-        for info in tar:
-            if not info.isfile():
-                continue
-            member_key, extension = split_member_name(info.name)
-            if member_key is None:
-                continue
-            if member_key != key:
-                if key is not None:
-                    yield key, files
-                key, files = member_key, {}
-            files[extension.lower()] = tar.extractfile(info).read()
+    for name, data in members:
+        member_key, extension = split_member_name(name)
+        if member_key is None:
+            continue
+        if member_key != key:
+            if key is not None:
+                yield key, files
+            key, files = member_key, {}
+        files[extension.lower()] = data
     if key is not None:
         yield key, files
+
+
+def _tarfile_members(stream: IO[bytes]) -> Iterator[tuple[str, bytes]]:
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        for info in tar:
+            if info.isfile():
+                yield info.name, tar.extractfile(info).read()
+
+
+def iter_samples(stream: IO[bytes]) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """``(key, {extension: bytes})`` per sample, in file order, streaming; members without
+    an extension (directories, stray files) are skipped."""
+    return _group_by_key(_tarfile_members(stream))
+
+
+def read_samples(archive: bytes) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """What ``iter_samples`` gives, from a whole archive in memory; ~10x faster on the
+    plain ustar archives this module writes, the same answer on any other."""
+    members = _plain_members(archive)
+    if members is None:
+        return iter_samples(io.BytesIO(archive))
+    return _group_by_key(members)
+
+
+def _plain_members(archive: bytes) -> list[tuple[str, bytes]] | None:
+    """``(name, data)`` of each file when every header is a plain ustar one whose
+    checksum holds; None when any is not (``tarfile`` then reads the archive)."""
+    members = []
+    position = 0
+    while position + BLOCK <= len(archive):
+        header = archive[position:position + BLOCK]
+        if header == _ZEROS[:BLOCK]:
+            return members
+        kind = header[156:157]
+        if (kind not in (*_PLAIN_FILE, _DIRECTORY) or header[257:262] != b"ustar"
+                or header[345] or not _checksum_holds(header)):
+            return None  # pax / GNU headers, a name with a prefix, a v7 archive, damage
+        size = int(header[124:136].strip(b"\0 ") or b"0", 8)
+        start = position + BLOCK
+        if start + size > len(archive):
+            return None  # truncated: tarfile says so
+        if kind != _DIRECTORY:
+            name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            members.append((name, archive[start:start + size]))
+        position = start + size + (-size % BLOCK)
+    return members if position == len(archive) else None
+
+
+def _checksum_holds(header: bytes) -> bool:
+    try:
+        stored = int(header[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
+    except ValueError:
+        return False
+    return stored == sum(header) - sum(header[148:156]) + 8 * ord(" ")

@@ -20,7 +20,7 @@ from pairforge.config import TasksConfig
 from pairforge.records import Status, json_safe
 from pairforge.shards.raw import shard_name, stats_name
 from pairforge.shards.storage import EMBEDDINGS_FOLDER, RAW_FOLDER, SHARDS_FOLDER, OutputDir
-from pairforge.shards.tar import SampleTarWriter, iter_samples
+from pairforge.shards.tar import SampleTarWriter, read_samples
 from pairforge.shards.tasks import IMG, assign_tasks, share_report, start_offset
 
 IMAGE_EXTENSIONS = ("jpg", "webp", "png")
@@ -34,10 +34,11 @@ def read_raw_images(out: OutputDir, shard_id: int, keys: set[str]) -> dict[str, 
         return found
     path = out.path(RAW_FOLDER, f"{shard_name(shard_id)}.tar")
     with out.fs.open(path, "rb") as f:
-        for key, files in iter_samples(f):
-            if key in keys:
-                ext = next(e for e in IMAGE_EXTENSIONS if e in files)
-                found[key] = (ext, files[ext])
+        archive = f.read()  # the shard's images are all wanted in memory anyway
+    for key, files in read_samples(archive):
+        if key in keys:
+            ext = next(e for e in IMAGE_EXTENSIONS if e in files)
+            found[key] = (ext, files[ext])
     return found
 
 
