@@ -170,7 +170,10 @@ def run_stage(backend: str, args: argparse.Namespace, workdir: Path) -> None:
         tok = load_image_tokenizer({**spec, "batch_size": bs})
         samples = raw_images(raw)
         start = time.perf_counter()
-        codes = bare_fn(tok, [decode(data) for data, _ in samples], bs)
+        codes = []
+        for chunk in batches(samples, bs):  # decoded a batch at a time, as the stage does:
+            # all photos decoded up front made each further 3000 cost more (7.0, 8.0, 10.3 s)
+            codes += bare_fn(tok, [decode(data) for data, _ in chunk], bs)
         return time.perf_counter() - start, len(codes)
 
     tokenize = {"enabled": True, "image": spec, "batch_size": bs, **pool_section(args)}
