@@ -95,10 +95,12 @@ def process(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> 
 @app.command()
 def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> None:
     """Run every stage in order; complete shards of earlier runs are skipped."""
+    from pairforge.pipeline.preflight import check_model_sources
     from pairforge.pipeline.process import run_process
     from pairforge.pipeline.runner import run_dedup_stage, run_download
 
     cfg = _load(config, set_)
+    _run_guarded(check_model_sources, cfg)  # before hours of downloading, not after
     _print_stage("download", _run_guarded(run_download, cfg, not quiet))
     _print_dedup(_run_guarded(run_dedup_stage, cfg))
     _print_stage("process", _run_guarded(run_process, cfg, not quiet))

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from pairforge.config import PairforgeConfig
 from pairforge.filters.basic import BasicFilterStep
 from pairforge.filters.clip import ClipStep
+from pairforge.pipeline.preflight import check_model_sources
 from pairforge.pipeline.progress import StageDisplay
 from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.pipeline.steps import TASK_CPUS, Step, add_steps, fit_actor_cpus
@@ -266,6 +267,7 @@ def vocab_layout(cfg: PairforgeConfig) -> dict[str, Any] | None:
 
 def run_process(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, Any]:
     """Stage 3 over every complete raw shard that has no complete output shard yet."""
+    check_model_sources(cfg)
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(SHARDS_FOLDER)
     out.remove_temporaries(SHARDS_FOLDER)
