@@ -35,8 +35,10 @@ _PLAIN_FILE, _DIRECTORY = (b"0", b"\0"), b"5"
 _KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 
 
-def _encode(extension: str, value: Any) -> bytes:
-    if isinstance(value, bytes | bytearray | memoryview):
+def _encode(extension: str, value: Any) -> bytes | memoryview:
+    if isinstance(value, bytes | memoryview):
+        return value
+    if isinstance(value, bytearray):
         return bytes(value)
     if isinstance(value, str):
         return value.encode("utf-8")
@@ -122,10 +124,10 @@ def split_member_name(name: str) -> tuple[str | None, str | None]:
     return (match.group(1), match.group(2)) if match else (None, None)
 
 
-def _group_by_key(members: Iterable[tuple[str, bytes]]
-                  ) -> Iterator[tuple[str, dict[str, bytes]]]:
+def _group_by_key(members: Iterable[tuple[str, bytes | memoryview]]
+                  ) -> Iterator[tuple[str, dict[str, bytes | memoryview]]]:
     key: str | None = None
-    files: dict[str, bytes] = {}
+    files: dict[str, bytes | memoryview] = {}
     for name, data in members:
         member_key, extension = split_member_name(name)
         if member_key is None:
@@ -152,18 +154,20 @@ def iter_samples(stream: IO[bytes]) -> Iterator[tuple[str, dict[str, bytes]]]:
     return _group_by_key(_tarfile_members(stream))
 
 
-def read_samples(archive: bytes) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """What ``iter_samples`` gives, from a whole archive in memory; ~10x faster on the
-    plain ustar archives this module writes, the same answer on any other."""
+def read_samples(archive: bytes) -> Iterator[tuple[str, dict[str, bytes | memoryview]]]:
+    """What ``iter_samples`` gives, from a whole archive in memory (as views into it for
+    the plain ustar archives this module writes, ~3x faster; through tarfile otherwise)."""
     members = _plain_members(archive)
     if members is None:
         return iter_samples(io.BytesIO(archive))
     return _group_by_key(members)
 
 
-def _plain_members(archive: bytes) -> list[tuple[str, bytes]] | None:
+def _plain_members(archive: bytes) -> list[tuple[str, memoryview]] | None:
     """``(name, data)`` of each file when every header is a plain ustar one whose
-    checksum holds; None when any is not (``tarfile`` then reads the archive)."""
+    checksum holds; None when any is not (``tarfile`` then reads the archive). The data
+    are views into ``archive``, not copies: a shard's images are not held twice."""
+    view = memoryview(archive)
     members = []
     position = 0
     while position + BLOCK <= len(archive):
@@ -180,7 +184,7 @@ def _plain_members(archive: bytes) -> list[tuple[str, bytes]] | None:
             return None  # truncated: tarfile says so
         if kind != _DIRECTORY:
             name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            members.append((name, archive[start:start + size]))
+            members.append((name, view[start:start + size]))
         position = start + size + (-size % BLOCK)
     return members if position == len(archive) else None
 

@@ -27,14 +27,15 @@ IMAGE_EXTENSIONS = ("jpg", "webp", "png")
 SPECIALS_PER_SEQUENCE = 4  # leading EOS, SOV, EOV, final EOS
 
 
-def read_raw_images(out: OutputDir, shard_id: int, keys: set[str]) -> dict[str, tuple[str, bytes]]:
+def read_raw_images(out: OutputDir, shard_id: int,
+                    keys: set[str]) -> dict[str, tuple[str, bytes | memoryview]]:
     """key -> (extension, bytes) for the wanted keys of one raw tar."""
-    found: dict[str, tuple[str, bytes]] = {}
+    found: dict[str, tuple[str, bytes | memoryview]] = {}
     if not keys:
         return found
     path = out.path(RAW_FOLDER, f"{shard_name(shard_id)}.tar")
     with out.fs.open(path, "rb") as f:
-        archive = f.read()  # the shard's images are all wanted in memory anyway
+        archive = f.read()  # its images are all wanted; they stay views into it
     for key, files in read_samples(archive):
         if key in keys:
             ext = next(e for e in IMAGE_EXTENSIONS if e in files)
@@ -73,7 +74,8 @@ def _npy(values: list[int], shape: list[int] | None = None) -> bytes:
     return buffer.getvalue()
 
 
-def _sample(row: dict[str, Any], image: tuple[str, bytes], fields: list[str]) -> dict[str, Any]:
+def _sample(row: dict[str, Any], image: tuple[str, bytes | memoryview],
+            fields: list[str]) -> dict[str, Any]:
     """The files of one training sample, by extension."""
     ext, data = image
     text = row["train_caption"] if "train_caption" in row else row.get("caption")
