@@ -149,3 +149,14 @@ def test_the_stage_workers_modules_do_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_views_are_written_as_their_bytes():
+    import numpy as np
+
+    codes = np.arange(3, dtype=np.int32)
+    buffer = io.BytesIO()
+    with SampleTarWriter(buffer) as writer:
+        writer.write("k", {"jpg": memoryview(b"xjpeg")[1:], "raw": memoryview(codes)})
+    [(key, files)] = read_samples(buffer.getvalue())
+    assert key == "k" and files == {"jpg": b"jpeg", "raw": codes.tobytes()}

@@ -36,9 +36,9 @@ _KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 
 
 def _encode(extension: str, value: Any) -> bytes | memoryview:
-    if isinstance(value, bytes | memoryview):
-        return value
-    if isinstance(value, bytearray):
+    if isinstance(value, bytes) or (isinstance(value, memoryview) and value.format == "B"):
+        return value  # a view (read_samples hands those out) is written without a copy
+    if isinstance(value, bytearray | memoryview):
         return bytes(value)
     if isinstance(value, str):
         return value.encode("utf-8")
@@ -65,7 +65,7 @@ class _HeaderTemplate:
         self._sum = sum(self._blank) - sum(self._blank[124:136])  # without the size field
 
     def header(self, name: str, size: int) -> bytes:
-        encoded = name.encode("utf-8")
+        encoded = name.encode("utf-8", "surrogateescape")
         if len(encoded) > 100 or size >= 8 ** 11 or not encoded.isascii():
             return _member_info(name, size, self.mtime).tobuf(
                 tarfile.PAX_FORMAT, "utf-8", "surrogateescape")  # long names: a pax header
