@@ -220,9 +220,10 @@ class LocalCluster:
         raise TimeoutError(f"ray nodes {names} not alive after {timeout} s")
 
     def restart(self, name: str, timeout: float = 120) -> None:
-        """Start a worker node again under the same name (after ``kill``)."""
+        """Start a worker node again under the same name (after ``kill``); other nodes
+        killed before stay dead."""
         self._spawn(name, head=False)
-        self._wait_alive(list(self.started), timeout)
+        self._wait_alive([name], timeout)
 
     def running(self, name: str, title: str) -> bool:
         """Whether a worker process of node ``name`` is executing ``title`` right now (Ray

@@ -105,3 +105,51 @@ def test_losing_a_node_mid_build_gives_the_same_output(ray_cluster, s3_cluster_b
     # Ray retried the attempt that died with the node (or the rerun redid the shard).
     assert reruns or any(t["attempt"] > 0 for t in downloads), downloads
     print(f"node lost mid-build: recovered {'by a rerun' if reruns else 'by Ray retries'}")
+
+
+def test_losing_the_model_node_mid_stage_3_gives_the_same_output(ray_cluster, s3_cluster_build,
+                                                                 tmp_path):
+    """SIGKILL node "gpu", the only one the tokenize pool may use, once its actors are up
+    in stage 3, and bring it back, as a preempted GPU node is replaced. Ray Data restarts
+    the pool's actors on the node that came back and retries their tasks; if it could not,
+    a rerun must finish the build. Either way the output equals the uninterrupted build's,
+    with no partial file."""
+    reference = s3_cluster_build
+    cfg = {**reference["cfg"], "output": {"path": str(tmp_path / "out")}}
+    jobs_before = _jobs(ray_cluster.placement())
+    proc = start_build(ray_cluster, cfg, tmp_path / "run")
+    pool = "ray::MapWorker(MapBatches(TokenizeStep))"
+    try:
+        deadline = time.monotonic() + 300
+        while not ray_cluster.running("gpu", pool):
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "the tokenize pool never started on node gpu"
+            time.sleep(0.05)
+        assert not (tmp_path / "out" / "manifest.json").exists()  # stage 3 is not done
+        ray_cluster.started["gpu"].kill()
+        ray_cluster.wait_dead("gpu")
+        ray_cluster.restart("gpu")
+        done = finish(proc)
+        reruns = 0
+        if done.returncode != 0:
+            reruns = 1
+            done = finish(start_build(ray_cluster, cfg, tmp_path / "run"))
+        assert done.returncode == 0, done.stderr[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert result_of(str(tmp_path / "out")) == result_of(
+        reference["out"], reference["cfg"]["output"]["storage_options"])
+    assert leftovers(tmp_path / "out") == []
+    placement = ray_cluster.placement()
+    [job, *rerun_jobs] = sorted(_jobs(placement) - jobs_before)
+    assert len(rerun_jobs) == reruns
+    if not reruns:  # the pool the build finished with lived on the node that came back
+        actors = [a for a in placement["actors"]
+                  if a["job"] == job and "TokenizeStep" in a["class"]]
+        assert actors and {a["node"] for a in actors} == {ray_cluster.started["gpu"].node_id}
+    print(f"model node lost in stage 3: recovered {'by a rerun' if reruns else 'by Ray'}")
+
+
+def _jobs(placement: dict[str, list[dict[str, Any]]]) -> set[str]:
+    return {t["job"] for t in placement["tasks"]} | {a["job"] for a in placement["actors"]}
