@@ -172,6 +172,12 @@ class TextTokenizerConfig(Strict):
     path_or_id: str | None = Field(None, description="hub id or local folder (train-text)")
     revision: str | None = None
 
+    @model_validator(mode="after")
+    def _hf_needs_a_source(self) -> TextTokenizerConfig:
+        if self.backend == "hf" and not self.path_or_id:
+            raise ValueError("backend hf needs path_or_id (a hub id or a train-text folder)")
+        return self
+
 
 class TokenizeConfig(ModelPoolConfig):
     enabled: bool = False

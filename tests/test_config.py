@@ -60,3 +60,9 @@ def test_example_configs_are_valid(name):
 def test_tokenize_needs_an_image_tokenizer():
     with pytest.raises(ConfigError, match="tokenize.enabled needs tokenize.image"):
         parse_config({"input": {"path": "x"}, "process": {"tokenize": {"enabled": True}}})
+
+
+def test_an_hf_text_tokenizer_without_a_source_is_named():
+    message = r"'process.tokenize.text': .*backend hf needs path_or_id"
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"input": {"path": "x"}, "process": {"tokenize": {"text": {"backend": "hf"}}}})
