@@ -46,6 +46,17 @@ def leftovers(out: Path) -> list[str]:
     return [str(p) for p in out.rglob("*") if ".tmp-" in p.name]
 
 
+def finish_or_rerun(cluster: Any, proc: Any, cfg: dict[str, Any], folder: Path) -> int:
+    """Wait for the build; if Ray could not recover, a rerun must complete it. Returns
+    the number of reruns (0 or 1)."""
+    done = finish(proc)
+    reruns = int(done.returncode != 0)
+    if reruns:
+        done = finish(start_build(cluster, cfg, folder))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return reruns
+
+
 def test_build_runs_across_the_nodes(ray_cluster, s3_cluster_build):
     build = s3_cluster_build
     nodes = {n.node_id: name for name, n in ray_cluster.started.items()}
@@ -83,12 +94,7 @@ def test_losing_a_node_mid_build_gives_the_same_output(ray_cluster, s3_cluster_b
         time.sleep(1.0)  # mid-shard: some images fetched, the tar half written
         killed_mid_task = ray_cluster.running("cpu", "ray::_download_task")
         ray_cluster.started["cpu"].kill()
-        done = finish(proc)
-        reruns = 0
-        if done.returncode != 0:  # Ray could not recover: the rerun must complete it
-            reruns = 1
-            done = finish(start_build(ray_cluster, cfg, tmp_path / "run"))
-        assert done.returncode == 0, done.stderr[-4000:]
+        reruns = finish_or_rerun(ray_cluster, proc, cfg, tmp_path / "run")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -129,12 +135,7 @@ def test_losing_the_model_node_mid_stage_3_gives_the_same_output(ray_cluster, s3
         ray_cluster.started["gpu"].kill()
         ray_cluster.wait_dead("gpu")
         ray_cluster.restart("gpu")
-        done = finish(proc)
-        reruns = 0
-        if done.returncode != 0:
-            reruns = 1
-            done = finish(start_build(ray_cluster, cfg, tmp_path / "run"))
-        assert done.returncode == 0, done.stderr[-4000:]
+        reruns = finish_or_rerun(ray_cluster, proc, cfg, tmp_path / "run")
     finally:
         if proc.poll() is None:
             proc.kill()

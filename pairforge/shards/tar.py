@@ -29,6 +29,7 @@ from typing import IO, Any
 
 BLOCK = tarfile.BLOCKSIZE
 _ZEROS = bytes(tarfile.RECORDSIZE)
+_ZERO_BLOCK = _ZEROS[:BLOCK]  # two of them end an archive
 _PLAIN_FILE, _DIRECTORY = (b"0", b"\0"), b"5"
 
 # webdataset's split of a member name into sample key and extension (its base_plus_ext)
@@ -172,7 +173,7 @@ def _plain_members(archive: bytes) -> list[tuple[str, memoryview]] | None:
     position = 0
     while position + BLOCK <= len(archive):
         header = archive[position:position + BLOCK]
-        if header == _ZEROS[:BLOCK]:
+        if header == _ZERO_BLOCK:
             return members
         kind = header[156:157]
         if (kind not in (*_PLAIN_FILE, _DIRECTORY) or header[257:262] != b"ustar"
