@@ -22,11 +22,11 @@ from pairforge.pipeline import fetch as fetch_module
 from pairforge.pipeline.fetch import (
     Fetcher,
     FetchResult,
-    parse_retry_after,
     robots_opt_out,
     user_agent,
 )
 from pairforge.records import Status
+from pairforge.retry import backoff_seconds, parse_retry_after
 
 
 @pytest.fixture
@@ -164,6 +164,15 @@ def test_parse_retry_after() -> None:
     assert parse_retry_after("soon") is None
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == 10.0
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past
+
+
+def test_backoff_honours_retry_after_then_backs_off_with_jitter() -> None:
+    assert backoff_seconds(0, "7") == 7.0
+    assert backoff_seconds(0, "600") == 60.0  # capped
+    for attempt in range(6):
+        wait = backoff_seconds(attempt, "soon")  # unparsable: exponential with jitter
+        full = min(0.5 * 2 ** attempt, 30.0)
+        assert full / 2 <= wait <= full
 
 
 # --------------------------------------------------------------------------- connection failures

@@ -18,7 +18,6 @@ One ``Fetcher`` is shared by the fetch threads of a shard task. It differs from 
 
 from __future__ import annotations
 
-import email.utils
 import functools
 import http.client
 import io
@@ -39,6 +38,7 @@ from pairforge import __version__
 from pairforge.config import DownloadConfig
 from pairforge.pipeline.address_guard import AddressGuard, BlockedAddress
 from pairforge.records import Status
+from pairforge.retry import parse_retry_after
 
 USER_AGENT = f"pairforge/{__version__} (+https://github.com/pairforge/pairforge)"
 AGENT_NAME = "pairforge"
@@ -89,23 +89,6 @@ def robots_opt_out(values: Iterable[str], directives: Iterable[str],
         if any(d.strip().lower() in wanted for d in listed.split(",")):
             return value.strip()
     return None
-
-
-def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` value (delta seconds or HTTP date)."""
-    if value is None:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when is None:
-        return None
-    now = time.time() if now is None else now
-    return max(0.0, when.timestamp() - now)
 
 
 # --------------------------------------------------------------------------- connections

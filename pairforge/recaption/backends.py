@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import io
 import os
-import random
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ from typing import Any
 from PIL import Image
 
 from pairforge.config import RecaptionConfig
+from pairforge.retry import backoff_seconds
 
 
 class Captioner(ABC):
@@ -132,20 +132,14 @@ class OpenAICaptioner(Captioner):
             except (requests.ConnectionError, requests.Timeout):
                 if last:
                     raise
-                time.sleep(self._backoff(attempt, None))
+                time.sleep(backoff_seconds(attempt, None))
                 continue
             if response.status_code in self.RETRY_STATUS and not last:
-                time.sleep(self._backoff(attempt, response.headers.get("Retry-After")))
+                time.sleep(backoff_seconds(attempt, response.headers.get("Retry-After")))
                 continue
             response.raise_for_status()
             return response.json()["choices"][0]["message"]["content"] or ""
         raise AssertionError("unreachable")
-
-    @staticmethod
-    def _backoff(attempt: int, retry_after: str | None) -> float:
-        if retry_after and retry_after.replace(".", "", 1).isdigit():
-            return min(float(retry_after), 60.0)
-        return min(0.5 * 2 ** attempt, 30.0) * (0.5 + random.random() / 2)
 
     def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
         return list(self.pool.map(self._request, [self._body(im, prompt) for im in images]))
