@@ -7,10 +7,10 @@ import struct
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import COCO_IMAGES
 from PIL import Image, JpegImagePlugin
 
 from pairforge.config import ImageConfig
@@ -18,8 +18,7 @@ from pairforge.filters.hashing import hamming_u64, phash_u64
 from pairforge.pipeline.imageproc import ImageFailure, ProcessedImage, process_image
 from pairforge.records import Status
 
-COCO = Path("/work/shared/data/coco-sample/images")
-needs_coco = pytest.mark.skipif(not COCO.is_dir(), reason="COCO sample not available")
+COCO = COCO_IMAGES  # the repository's real test photos (tests/data/README.md)
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -233,7 +232,6 @@ def test_cmyk_jpeg():
 
 # --- failures ------------------------------------------------------------------------------
 
-@needs_coco
 def test_truncated_jpeg_is_decode_error():
     body = coco_bodies(1)[0]
     failed(process_image(body[: len(body) // 2], ImageConfig()), Status.DECODE_ERROR)
@@ -354,7 +352,6 @@ def test_no_draft_for_png(draft_calls):
 
 # --- hashes --------------------------------------------------------------------------------
 
-@needs_coco
 def test_lossless_reencode_keeps_pixel_hash():
     cfg = ImageConfig(image_size=256)  # COCO photos are ~300 px: no draft at 256
     for body in coco_bodies(5):
@@ -365,7 +362,6 @@ def test_lossless_reencode_keeps_pixel_hash():
         assert jpeg.phash == png.phash
 
 
-@needs_coco
 def test_same_bytes_same_hashes():
     body = coco_bodies(1)[0]
     a = ok(process_image(body, ImageConfig(image_size=64)))
@@ -374,7 +370,6 @@ def test_same_bytes_same_hashes():
     assert 0 <= a.phash < 2**64
 
 
-@needs_coco
 def test_recompressed_jpeg_phash_is_near():
     cfg = ImageConfig(image_size=256)
     for body in coco_bodies(20):
@@ -386,7 +381,6 @@ def test_recompressed_jpeg_phash_is_near():
         assert hamming_u64(original.phash, again.phash) <= 4
 
 
-@needs_coco
 def test_phash_is_the_shared_phash_of_the_decoded_image():
     body = coco_bodies(1)[0]
     expected = phash_u64(Image.open(io.BytesIO(body)).convert("RGB"))
@@ -397,7 +391,6 @@ def test_exif_none_without_exif():
     assert ok(process_image(encode(smooth(64, 64), "JPEG"), ImageConfig())).exif is None
 
 
-@needs_coco
 def test_threads_give_the_same_results():
     bodies = coco_bodies(24) + [encode(blobs(1200, 900), "JPEG"), b"<html>"]
     cfg = ImageConfig(image_size=128, resize_mode="center_crop")
