@@ -41,8 +41,12 @@ def refused_server(image_dir: Path) -> Iterator[LoopbackServer]:
         yield server
 
 
-COCO_IMAGES = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-sample" / "images"
-COCO_CAPTIONS = COCO_IMAGES.parent / "captions.csv"
+# 160 real MS-COCO photos (<= 300 px) and their captions, kept in the repository so that a
+# fresh clone passes its tests; tests/data/README.md says where they come from. Every test
+# that needs real photos takes them from here.
+COCO_DIR = Path(__file__).resolve().parent / "data" / "coco"
+COCO_IMAGES = COCO_DIR / "images"
+COCO_CAPTIONS = COCO_DIR / "captions.csv"
 
 
 @pytest.fixture(scope="session")

@@ -10,17 +10,17 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 import wids
+from conftest import COCO_IMAGES
 from loopback_server import LoopbackServer
 
 from pairforge.config import parse_config
 from pairforge.pipeline.runner import run_download
 
-COCO = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-sample" / "images"
-
 
 @pytest.fixture(scope="module")
 def servers():
-    with LoopbackServer(COCO) as good, LoopbackServer(COCO, host="127.0.0.2") as refused:
+    with (LoopbackServer(COCO_IMAGES) as good,
+          LoopbackServer(COCO_IMAGES, host="127.0.0.2") as refused):
         yield good, refused
 
 
@@ -136,7 +136,7 @@ def test_sigkill_then_rerun_equals_uninterrupted_run(tmp_path, servers):
     import yaml
 
     good, _ = servers
-    names = sorted(p.name for p in COCO.glob("*.jpg"))[:120]
+    names = sorted(p.name for p in COCO_IMAGES.glob("*.jpg"))[:120]
     inp = tmp_path / "in.csv"
     rows = [f"{good.url(f'/hold/{n}?secs=0.08')},photo {i}" for i, n in enumerate(names)]
     rows[7] = good.url("/status/404") + ",broken"

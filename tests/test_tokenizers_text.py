@@ -9,23 +9,19 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import COCO_CAPTIONS
 from typer.testing import CliRunner
 
 from pairforge.tokenizers.cli import app
 from pairforge.tokenizers.registry import load_text_tokenizer
 from pairforge.tokenizers.text import ByteTokenizer, HFTextTokenizer, read_captions, train_bpe
 
-REPO = Path(__file__).resolve().parents[1]
-COCO_CAPTIONS = REPO.parent / "shared/data/coco-sample/captions.csv"
 TRICKY = "Ein Mädchen 🙂 hält einen Schirm\tnext to a yak — 漢字"
 
 
 def captions() -> list[str]:
-    if COCO_CAPTIONS.is_file():
-        return list(read_captions([COCO_CAPTIONS]))
-    # the BPE only needs text; these keep the test meaningful without the COCO sample
-    return [f"a {c} {a} sitting on a {t}" for c in ("red", "small", "black")
-            for a in ("cat", "dog", "bird") for t in ("table", "bench", "car")] * 20
+    """The 160 COCO captions kept with the test photos (tests/data/coco/captions.csv)."""
+    return list(read_captions([COCO_CAPTIONS]))
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import COCO_IMAGES
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -19,16 +20,10 @@ from pairforge.tokenizers.cli import app
 from pairforge.tokenizers.registry import load_image_tokenizer
 from pairforge.tokenizers.train_vq import iter_image_bytes, train_vq
 
-REPO = Path(__file__).resolve().parents[1]
-COCO_CANDIDATES = [REPO.parent / "shared/data/coco-sample/images",
-                   REPO / "pairforge/sample/images"]
-
 
 def sample_images_dir() -> Path:
-    for candidate in COCO_CANDIDATES:
-        if candidate.is_dir() and any(candidate.iterdir()):
-            return candidate
-    pytest.skip("no sample images (../shared/data/coco-sample or pairforge/sample/images)")
+    """The repository's COCO test photos (see tests/data/README.md)."""
+    return COCO_IMAGES
 
 
 @pytest.fixture(scope="module")
