@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from pairforge.config import ConfigError, PairforgeConfig, load_config
 from pairforge.pipeline.progress import console, status_table
@@ -25,12 +26,18 @@ SetOpt = Annotated[list[str] | None, typer.Option(
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no live progress display")]
 
 
+def _user_error(err: Exception) -> typer.Exit:
+    """Print a user error as one paragraph (no markup read from it, no wrapping inside a
+    path) and return the exit that says so: code 2."""
+    console.print(f"[red]error:[/red] {escape(str(err))}", soft_wrap=True)
+    return typer.Exit(2)
+
+
 def _load(config: Path, overrides: list[str] | None) -> PairforgeConfig:
     try:
         return load_config(config, overrides or [])
     except ConfigError as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from None
+        raise _user_error(err) from None
 
 
 def _print_stage(name: str, summary: dict[str, Any]) -> None:
@@ -47,8 +54,14 @@ def _run_guarded(fn, *args):  # noqa: ANN001, ANN202
     try:
         return fn(*args)
     except ConfigError as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from None
+        raise _user_error(err) from None
+
+
+def _preflight(cfg: PairforgeConfig, stage: str) -> None:
+    """Every problem that would stop ``stage`` later, named now, before Ray starts."""
+    from pairforge.pipeline.preflight import preflight
+
+    _run_guarded(preflight, cfg, stage)
 
 
 @app.command()
@@ -57,6 +70,7 @@ def download(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) ->
     from pairforge.pipeline.runner import run_download
 
     cfg = _load(config, set_)
+    _preflight(cfg, "download")
     _print_stage("download", _run_guarded(run_download, cfg, not quiet))
 
 
@@ -80,6 +94,7 @@ def dedup(config: ConfigArg, set_: SetOpt = None,
     from pairforge.pipeline.runner import run_dedup_stage
 
     cfg = _load(config, set_)
+    _preflight(cfg, "dedup")
     _print_dedup(_run_guarded(run_dedup_stage, cfg, force))
 
 
@@ -89,18 +104,18 @@ def process(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> 
     from pairforge.pipeline.process import run_process
 
     cfg = _load(config, set_)
+    _preflight(cfg, "process")
     _print_stage("process", _run_guarded(run_process, cfg, not quiet))
 
 
 @app.command()
 def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> None:
     """Run every stage in order; complete shards of earlier runs are skipped."""
-    from pairforge.pipeline.preflight import check_model_sources
     from pairforge.pipeline.process import run_process
     from pairforge.pipeline.runner import run_dedup_stage, run_download
 
     cfg = _load(config, set_)
-    _run_guarded(check_model_sources, cfg)  # before hours of downloading, not after
+    _preflight(cfg, "build")  # before hours of downloading, not after
     _print_stage("download", _run_guarded(run_download, cfg, not quiet))
     _print_dedup(_run_guarded(run_dedup_stage, cfg))
     _print_stage("process", _run_guarded(run_process, cfg, not quiet))
@@ -134,7 +149,7 @@ def show(path: PathArg,
     """A contact sheet: image, VQ reconstruction, task, CLIP score and caption."""
     from pairforge.shards.show import show as make_sheet
 
-    shown = make_sheet(path, output, task, grep, n)
+    shown = _run_guarded(make_sheet, path, output, task, grep, n)
     if not shown:
         console.print("[yellow]no sample matches[/yellow]")
         raise typer.Exit(1)
@@ -146,10 +161,9 @@ def report(path: PathArg,
            output: Annotated[str, typer.Option("-o", "--output", help="HTML to write")]
            = "report.html") -> None:
     """One self-contained HTML page: funnel, CLIP scores, budget along shards, token counts."""
-    from pairforge.shards.report import render_report
+    from pairforge.shards.report import write_report
 
-    with open(output, "w") as f:
-        f.write(render_report(path))
+    _run_guarded(write_report, path, output)
     console.print(f"report → [b]{output}[/b]")
 
 

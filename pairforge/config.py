@@ -301,7 +301,11 @@ def _set_dotted(data: dict[str, Any], dotted: str, raw_value: str) -> None:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {dotted}: '{key}' is not a section")
-    node[keys[-1]] = yaml.safe_load(raw_value)
+    try:
+        node[keys[-1]] = yaml.safe_load(raw_value)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {dotted}: the value is not valid YAML "
+                          f"({_yaml_problem(err)})") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -332,13 +336,30 @@ def parse_config(data: dict[str, Any], overrides: list[str] | None = None) -> Pa
         raise ConfigError(_describe(err)) from None
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's own words without its position block (the caller names file and line)."""
+    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and start:  # e.g. where the unclosed bracket opened
+        context += f" started at line {start.line + 1}, column {start.column + 1}"
+    parts = [context, getattr(err, "problem", None)]
+    return ", ".join(p for p in parts if p) or str(err).splitlines()[0]
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PairforgeConfig:
     """Read a YAML config, apply overrides, validate; raise ConfigError naming the key."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
-        raise ConfigError(f"cannot read config {path}: {err}") from None
-    data = yaml.safe_load(text) or {}
+        raise ConfigError(f"cannot read config {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"cannot read config {path}: not UTF-8 text ({err.reason} at byte "
+                          f"{err.start})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"config {where}: not valid YAML ({_yaml_problem(err)})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping at the top level")
     return parse_config(data, overrides)

@@ -1,23 +1,53 @@
-"""pairforge/pipeline/preflight.py: a model that cannot load is named before any work starts.
+"""pairforge/pipeline/preflight.py: what would stop a run later is named before any work.
 
-No request is made anywhere here: a hub id is recognised by its form only.
+Hub ids are looked up in a Hugging Face cache made in tmp_path (never the machine's own,
+never the network); the only requests go to servers on 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from models_server import ModelsServer, closed_port_url
 
 import pairforge
 from pairforge.config import ConfigError, PairforgeConfig, parse_config
-from pairforge.pipeline.preflight import check_model_sources
+from pairforge.pipeline.preflight import check_model_sources, preflight, server_problems
 
 SAMPLE = Path(pairforge.__file__).parent / "sample"
 NO_GROUNDING = {"grounding": {"enabled": False}}
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(autouse=True)
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Hugging Face cache of this test's own (the lookups read the constant)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def cache_repo(cache: Path, repo_id: str, folder: Path | None = None,
+               files: tuple[str, ...] = ()) -> None:
+    """Lay ``folder`` (or empty ``files``) out as huggingface_hub does: a snapshot per
+    commit and refs/main naming it."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / COMMIT
+    if folder:
+        shutil.copytree(folder, snapshot)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name in files:
+        (snapshot / name).write_bytes(b"")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
 
 
 def _cfg(process: dict) -> PairforgeConfig:
@@ -68,12 +98,71 @@ def test_every_problem_is_listed_at_once(tmp_path):
         "process.recaption.model: ~/models/vlm is not a folder (and is not a hub id)"]
 
 
-def test_hub_ids_are_left_to_the_loader():
-    check_model_sources(_cfg({
-        **_tokenize({"backend": "emu3", "path_or_id": "BAAI/Emu3-VisionTokenizer"},
-                    {"backend": "hf", "path_or_id": "gpt2"}),
-        "recaption": {"enabled": True, "model": "HuggingFaceTB/SmolVLM-256M-Instruct",
-                      **NO_GROUNDING}}))
+HUB_MODELS = {
+    **_tokenize({"backend": "emu3", "path_or_id": "BAAI/Emu3-VisionTokenizer"},
+                {"backend": "hf", "path_or_id": "gpt2"}),
+    "recaption": {"enabled": True, "model": "HuggingFaceTB/SmolVLM-256M-Instruct",
+                  **NO_GROUNDING}}
+
+
+def test_hub_ids_not_in_the_local_cache_are_named_with_how_to_fetch_them(hub_cache):
+    problems = _problems(HUB_MODELS)
+    assert [p.split(": ")[:2] for p in problems] == [
+        ["process.tokenize.image.path_or_id", "hub id BAAI/Emu3-VisionTokenizer is not in the "
+         f"local Hugging Face cache ({hub_cache} has no config.json of it) and this run does "
+         "not download; fetch it on a machine with network (`hf download "
+         "BAAI/Emu3-VisionTokenizer`) and copy the cache here (HF_HUB_CACHE), or set "
+         "process.tokenize.image.path_or_id to a local folder"],
+        ["process.tokenize.text.path_or_id", "hub id gpt2 is not in the local Hugging Face "
+         f"cache ({hub_cache} has no tokenizer.json or tokenizer_config.json of it) and this "
+         "run does not download; fetch it on a machine with network (`hf download gpt2`) and "
+         "copy the cache here (HF_HUB_CACHE), or set process.tokenize.text.path_or_id to a "
+         "local folder"],
+        ["process.recaption.model", "hub id HuggingFaceTB/SmolVLM-256M-Instruct is not in the "
+         f"local Hugging Face cache ({hub_cache} has no config.json of it) and this run does "
+         "not download; fetch it on a machine with network (`hf download "
+         "HuggingFaceTB/SmolVLM-256M-Instruct`) and copy the cache here (HF_HUB_CACHE), or "
+         "set process.recaption.model to a local folder"]]
+
+
+def test_hub_ids_in_the_local_cache_pass(hub_cache):
+    cache_repo(hub_cache, "BAAI/Emu3-VisionTokenizer", files=("config.json",
+                                                              "model.safetensors"))
+    cache_repo(hub_cache, "gpt2", files=("tokenizer.json",))
+    cache_repo(hub_cache, "HuggingFaceTB/SmolVLM-256M-Instruct", SAMPLE / "captioner")
+    check_model_sources(_cfg(HUB_MODELS))
+
+
+def test_a_cached_repo_without_weights_or_at_another_revision_is_named(hub_cache):
+    cache_repo(hub_cache, "org/vlm", files=("config.json",))
+    recaption = {"enabled": True, "model": "org/vlm", **NO_GROUNDING}
+    [problem] = _problems({"recaption": recaption})
+    assert "(" + str(hub_cache) + " has no model.safetensors or model.safetensors.index.json " \
+        "or pytorch_model.bin or pytorch_model.bin.index.json of it)" in problem
+    cache_repo(hub_cache, "org/tok", files=("tokenizer_config.json",))
+    text = {"backend": "hf", "path_or_id": "org/tok"}
+    check_model_sources(_cfg(_tokenize({"path_or_id": str(SAMPLE / "vq32")},
+                                       {**text, "revision": COMMIT})))
+    [problem] = _problems(_tokenize({"path_or_id": str(SAMPLE / "vq32")},
+                                    {**text, "revision": "v2"}))
+    assert problem.startswith("process.tokenize.text.path_or_id: hub id org/tok at revision v2 "
+                              "is not in the local Hugging Face cache")
+    assert "(`hf download org/tok --revision v2`)" in problem
+
+
+def test_a_repo_the_lookup_finds_is_one_transformers_loads_offline(hub_cache):
+    """The cache layout the tests build is the real one: transformers reads it offline."""
+    cache_repo(hub_cache, "pairforge-test/captioner", SAMPLE / "captioner")
+    check_model_sources(_cfg({"recaption": {"enabled": True, "model": "pairforge-test/captioner",
+                                            **NO_GROUNDING}}))
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    code = ("from transformers import AutoProcessor, AutoModelForImageTextToText as M\n"
+            "AutoProcessor.from_pretrained('pairforge-test/captioner')\n"
+            "print(type(M.from_pretrained('pairforge-test/captioner')).__name__)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("ForConditionalGeneration")
 
 
 def test_clip_names_tags_and_checkpoint_files_are_checked(tmp_path):
@@ -93,14 +182,30 @@ def test_clip_names_tags_and_checkpoint_files_are_checked(tmp_path):
         "process.clip.model_config_path"]
 
 
-def test_clip_models_that_can_load_pass(tmp_path):
+def test_clip_models_that_can_load_pass(tmp_path, hub_cache):
     (tmp_path / "pf-clip.json").write_text("{}")
     (tmp_path / "weights.pt").write_bytes(b"")
+    # the lookup reads file names only: empty files stand for the weights
+    cache_repo(hub_cache, "laion/CLIP-ViT-B-32-laion2B-s34B-b79K",
+               files=("open_clip_model.safetensors",))
+    cache_repo(hub_cache, "org/clip", files=("open_clip_config.json",
+                                             "open_clip_pytorch_model.bin"))
     for clip in ({}, {"model": "pf-clip", "model_config_path": str(tmp_path / "pf-clip.json"),
                       "pretrained": str(tmp_path / "weights.pt")},
                  {"model": "pf-clip", "model_config_path": str(tmp_path), "pretrained": None},
                  {"model": "hf-hub:org/clip", "pretrained": None}):
         check_model_sources(_cfg({"clip": {"enabled": True, **clip}}))
+
+
+def test_clip_weights_not_in_the_local_cache_are_named():
+    [tag, hub] = _problems({"clip": {"enabled": True}}) + _problems(
+        {"clip": {"enabled": True, "model": "hf-hub:org/clip"}})
+    assert tag.startswith("process.clip.pretrained: hub id laion/CLIP-ViT-B-32-laion2B-s34B-b79K"
+                          " is not in the local Hugging Face cache")
+    assert tag.endswith("or set process.clip.pretrained to a checkpoint file")
+    assert hub.startswith("process.clip.model: hub id org/clip is not in the local Hugging Face "
+                          "cache (")
+    assert "has no open_clip_config.json of it" in hub
 
 
 def test_grounding_checks_the_clip_model_with_the_clip_filter_off():
@@ -123,3 +228,99 @@ def test_build_stops_before_downloading_anything(tmp_path):
     assert result.returncode == 2
     assert "process.tokenize.image.path_or_id" in result.stderr + result.stdout
     assert not (tmp_path / "out" / "raw").exists()
+
+
+def _stage_problems(config: dict, stage: str) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        preflight(parse_config(config), stage)
+    first, *lines = str(err.value).splitlines()
+    assert first == f"{stage} cannot start:"
+    return [line.strip() for line in lines]
+
+
+def test_an_output_path_that_cannot_be_made_is_named(tmp_path):
+    (tmp_path / "file").write_text("")
+    for path in (tmp_path / "file" / "out", "/proc/pairforge-out"):
+        [problem] = _stage_problems({"input": {"path": "bundled-sample"},
+                                     "output": {"path": str(path)}}, "download")
+        assert problem.startswith(f"output.path: cannot create or write {path} (")
+
+
+def test_the_output_probe_leaves_nothing_behind(tmp_path):
+    out = tmp_path / "new" / "out"
+    preflight(parse_config({"input": {"path": "bundled-sample"},
+                            "output": {"path": str(out)}}), "download")
+    assert list(tmp_path.iterdir()) == []  # the folders it made are gone again
+    (tmp_path / "kept").mkdir()
+    preflight(parse_config({"input": {"path": "bundled-sample"},
+                            "output": {"path": str(tmp_path / "kept")}}), "download")
+    assert list((tmp_path / "kept").iterdir()) == []
+    import fsspec
+
+    preflight(parse_config({"input": {"path": "bundled-sample"},
+                            "output": {"path": "memory://pf-preflight/out"}}), "download")
+    assert fsspec.filesystem("memory").find("/pf-preflight") == []  # the probe was deleted
+
+
+def test_every_stage_names_what_it_would_stop_on_at_once(tmp_path):
+    (tmp_path / "file").write_text("")
+    config = {"input": {"path": str(tmp_path / "absent.csv")},
+              "output": {"path": str(tmp_path / "file" / "out")},
+              "dedup": {"index": [str(tmp_path / "old" / "*.parquet")]},
+              "process": {"recaption": {
+                  "enabled": True, "model": "org/vlm",
+                  "attribute_lexicons": [str(tmp_path / "words")],
+                  "grounding": {"enabled": False}}}}
+    problems = _stage_problems(config, "build")
+    assert [p.split(" ")[0] for p in problems] == [
+        "input.path", "output.path:", "dedup.index:", "process.recaption.model:",
+        "process.recaption.attribute_lexicons:"]
+    assert problems[0] == f"input.path {str(tmp_path / 'absent.csv')!r} does not exist or " \
+        "cannot be read"
+    assert problems[2] == f"dedup.index: {tmp_path / 'old' / '*.parquet'} matches no file"
+    assert problems[4] == (f"process.recaption.attribute_lexicons: {tmp_path / 'words'} is not "
+                           "a folder")
+    # each verb asks only what it will use
+    assert [p.split(" ")[0] for p in _stage_problems(config, "download")] == [
+        "input.path", "output.path:"]
+    assert [p.split(" ")[0] for p in _stage_problems(config, "process")] == [
+        "output.path:", "process.recaption.model:", "process.recaption.attribute_lexicons:"]
+
+
+def test_dedup_alone_needs_raw_shards(tmp_path):
+    [problem] = _stage_problems({"input": {"path": "x"}, "output": {"path": str(tmp_path)}},
+                                "dedup")
+    assert problem == (f"output.path: {tmp_path} has no complete raw shards: run "
+                       "`pairforge download` (or `pairforge build`) first")
+
+
+def _openai(base_url: str, model: str = "tiny-vlm") -> PairforgeConfig:
+    return _cfg({"recaption": {"enabled": True, "backend": "openai", "model": model,
+                               "openai": {"base_url": base_url}, **NO_GROUNDING}})
+
+
+def test_the_captioning_server_must_answer_and_serve_the_model(monkeypatch):
+    url = closed_port_url()
+    [refused] = server_problems(_openai(url))
+    assert refused == (f"process.recaption.openai.base_url: {url}: GET /models failed "
+                       "([Errno 111] Connection refused); start the server or correct the URL")
+    monkeypatch.setenv("OPENAI_API_KEY", "k-123")
+    with ModelsServer(["other-vlm", "tiny-vlm-2"]) as server:
+        assert server_problems(_openai(server.base_url)) == [
+            f"process.recaption.model: 'tiny-vlm' is not served by {server.base_url} "
+            "(it serves 'other-vlm', 'tiny-vlm-2')"]
+        assert server_problems(_openai(server.base_url + "/", "tiny-vlm-2")) == []
+    assert server.requests == [("/v1/models", "Bearer k-123")] * 2
+    with ModelsServer([], status=401) as server:
+        assert server_problems(_openai(server.base_url)) == [
+            f"process.recaption.openai.base_url: {server.base_url}: GET /models answered "
+            "HTTP 401 (check the key in $OPENAI_API_KEY)"]
+
+
+def test_the_demo_config_passes_its_preflight(tmp_path, monkeypatch):
+    from pairforge.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # the demo names its models relative to the repository
+    cfg = load_config(root / "examples" / "demo.yaml", [f"output.path={tmp_path / 'demo'}"])
+    preflight(cfg, "build")

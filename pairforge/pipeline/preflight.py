@@ -1,24 +1,173 @@
-"""Every model a build will load, looked up before any work starts.
+"""Everything a run needs, looked up before any work starts.
 
 A build downloads for hours before stage 3 loads its first model, and a model that cannot
-load fails inside an actor. So the sources are checked first, without loading weights: a
-local folder must hold the files its loader reads; an open_clip name and pretrained tag
-must be ones open_clip knows, or a file. A hub id ("name" or "org/name") that is not a
-local folder is left to the loader: checking it would need the network.
+load fails inside an actor. So what a stage will need is checked first, without loading
+weights or starting Ray, and every problem is named at once with its config key:
+
+* the output folder can be created and written (a probe file, written and deleted);
+* the input paths and dedup index files exist;
+* every model source: a local folder holds the files its loader reads; an open_clip name
+  and pretrained tag are ones open_clip knows, or a file; a hub id is in the local Hugging
+  Face cache (looked up on disk, never over the network: build machines are often offline);
+* the OpenAI-compatible captioning server answers ``GET /models`` and serves the model;
+* the word-list files of the recaption safety checks exist.
+
+Hub ids are resolved against the cache of the machine that runs the command; on a
+cluster the workers need the same cache (or a shared ``HF_HUB_CACHE``).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 from pairforge.config import ClipConfig, ConfigError, PairforgeConfig
 
+Stage = Literal["download", "dedup", "process", "build"]
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
+SERVER_TIMEOUT_S = 5.0  # GET /models: a live server answers at once
+
+
+def preflight(cfg: PairforgeConfig, stage: Stage) -> None:
+    """Raise one ``ConfigError`` listing every problem that would stop ``stage`` later."""
+    problems = []
+    if stage in ("download", "build"):
+        problems += input_problems(cfg)
+    problems += output_problems(cfg)
+    if stage == "dedup" and cfg.dedup.enabled:
+        problems += raw_shard_problems(cfg)
+    if stage in ("dedup", "build") and cfg.dedup.enabled:
+        problems += dedup_index_problems(cfg)
+    if stage in ("process", "build"):
+        problems += model_problems(cfg) + server_problems(cfg) + word_list_problems(cfg)
+    if problems:
+        raise ConfigError(f"{stage} cannot start:\n  " + "\n  ".join(problems))
 
 
 def check_model_sources(cfg: PairforgeConfig) -> None:
     """Raise ``ConfigError`` naming each config key whose model cannot be found."""
+    problems = model_problems(cfg)
+    if problems:
+        raise ConfigError("a model cannot be found:\n  " + "\n  ".join(problems))
+
+
+def _reason(err: BaseException) -> str:
+    """A short cause: an OSError's text and path, else the exception's own message."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+    return f"{type(err).__name__}: {err}"
+
+
+# -- files and folders ---------------------------------------------------------------------
+
+def input_problems(cfg: PairforgeConfig) -> list[str]:
+    from pairforge.pipeline.inputs import BUNDLED_SAMPLE, _expand_paths
+
+    if cfg.input.path == BUNDLED_SAMPLE:
+        return []
+    try:
+        _expand_paths(cfg.input)
+    except ConfigError as err:
+        return [str(err)]
+    except Exception as err:  # noqa: BLE001 - any filesystem error is the user's to fix
+        return [f"input.path: cannot list {cfg.input.path!r} ({_reason(err)})"]
+    return []
+
+
+def output_problems(cfg: PairforgeConfig) -> list[str]:
+    """The output folder is created (as the run would) and a probe file written and deleted."""
+    from pairforge.shards.storage import OutputDir
+
+    path = cfg.output.path
+    created: Path | None = None  # local only: object stores have no folders to undo
+    try:
+        out = OutputDir(path, cfg.output.storage_options)
+        created = _first_missing_folder(out.root) if out.local else None
+        out.makedirs()
+        probe = out.path(f".pairforge-write-probe-{uuid.uuid4().hex}")
+        with out.fs.open(probe, "wb") as f:
+            f.write(b"probe")
+        out.fs.rm(probe)
+    except Exception as err:  # noqa: BLE001 - local, S3, GCS ... each raise their own kind
+        return [f"output.path: cannot create or write {path} ({_reason(err)})"]
+    finally:
+        if created is not None:
+            _remove_empty_folders(Path(out.root), created)
+    return []
+
+
+def _first_missing_folder(path: str) -> Path | None:
+    """The topmost folder of ``path`` that does not exist yet (None: it all exists)."""
+    missing = None
+    for folder in [Path(path), *Path(path).parents]:
+        if folder.exists():
+            return missing
+        missing = folder
+    return missing
+
+
+def _remove_empty_folders(leaf: Path, top: Path) -> None:
+    """Undo the probe's folders, so a run that stops here leaves nothing behind; the run
+    makes them again."""
+    folder = leaf
+    try:
+        while True:
+            folder.rmdir()  # only ever empty folders: the probe file is gone
+            if folder == top:
+                return
+            folder = folder.parent
+    except OSError:
+        return
+
+
+def raw_shard_problems(cfg: PairforgeConfig) -> list[str]:
+    from pairforge.shards.raw import completed_shards
+    from pairforge.shards.storage import RAW_FOLDER, OutputDir
+
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
+    if completed_shards(out, RAW_FOLDER):
+        return []
+    return [f"output.path: {cfg.output.path} has no complete raw shards: run "
+            "`pairforge download` (or `pairforge build`) first"]
+
+
+def dedup_index_problems(cfg: PairforgeConfig) -> list[str]:
+    from pairforge.pipeline.dedup_stage import _index_files
+
+    problems = []
+    for pattern in cfg.dedup.index:
+        try:
+            _index_files([pattern], cfg.output.storage_options)
+        except FileNotFoundError:
+            problems.append(f"dedup.index: {pattern} matches no file")
+        except Exception as err:  # noqa: BLE001
+            problems.append(f"dedup.index: cannot list {pattern} ({_reason(err)})")
+    return problems
+
+
+def word_list_problems(cfg: PairforgeConfig) -> list[str]:
+    rc = cfg.process.recaption
+    if not rc.enabled:
+        return []
+    problems = [f"process.recaption.attribute_lexicons: {folder} is not a folder"
+                for folder in rc.attribute_lexicons if not Path(folder).is_dir()]
+    if rc.grounding.enabled:
+        problems += [f"process.recaption.grounding.extra_nouns: {path} is not a file"
+                     for path in rc.grounding.extra_nouns if not Path(path).is_file()]
+    return problems
+
+
+# -- models --------------------------------------------------------------------------------
+
+def model_problems(cfg: PairforgeConfig) -> list[str]:
     process = cfg.process
     problems: list[str] = []
     if process.tokenize.enabled:
@@ -26,10 +175,10 @@ def check_model_sources(cfg: PairforgeConfig) -> None:
     if process.clip.enabled or (process.recaption.enabled and process.recaption.grounding.enabled):
         problems += _clip_problems(process.clip)
     if process.recaption.enabled and process.recaption.backend == "transformers":
-        problems += _folder_problems("process.recaption.model", process.recaption.model,
-                                     [("config.json",)])
-    if problems:
-        raise ConfigError("a model cannot be found:\n  " + "\n  ".join(problems))
+        problems += _source_problems("process.recaption.model", process.recaption.model,
+                                     [("config.json",), WEIGHT_FILES],
+                                     process.recaption.revision)
+    return problems
 
 
 def _tokenizer_problems(cfg: PairforgeConfig) -> list[str]:
@@ -38,13 +187,14 @@ def _tokenizer_problems(cfg: PairforgeConfig) -> list[str]:
     image, text = cfg.process.tokenize.image, cfg.process.tokenize.text
     key = "process.tokenize.image.path_or_id"
     if image.backend == "pairforge-vq":  # ours is a train-vq folder, never a hub id
-        problems = list(_folder_problems(key, image.path_or_id,
+        problems = list(_source_problems(key, image.path_or_id,
                                          [(CONFIG_NAME,), (WEIGHTS_NAME,)], hub=False))
     else:
-        problems = list(_folder_problems(key, image.path_or_id, [("config.json",)]))
+        problems = list(_source_problems(key, image.path_or_id, [("config.json",), WEIGHT_FILES],
+                                         image.revision))
     if text.backend == "hf" and text.path_or_id:
-        problems += _folder_problems("process.tokenize.text.path_or_id", text.path_or_id,
-                                     [("tokenizer.json", "tokenizer_config.json")])
+        problems += _source_problems("process.tokenize.text.path_or_id", text.path_or_id,
+                                     [TOKENIZER_FILES], text.revision)
     return problems
 
 
@@ -53,9 +203,10 @@ def _looks_local(ref: str) -> bool:
     return ref.startswith(("/", ".", "~")) or ref.count("/") > 1
 
 
-def _folder_problems(key: str, ref: str, needs: list[tuple[str, ...]],
-                     hub: bool = True) -> Iterator[str]:
-    """``needs``: groups of file names; the folder must hold one name of every group."""
+def _source_problems(key: str, ref: str, needs: list[tuple[str, ...]],
+                     revision: str | None = None, hub: bool = True) -> Iterator[str]:
+    """``needs``: groups of file names; the folder (or cached hub repo) must hold one name of
+    every group."""
     folder = Path(ref).expanduser()
     if folder.is_dir():
         for names in needs:
@@ -65,11 +216,37 @@ def _folder_problems(key: str, ref: str, needs: list[tuple[str, ...]],
         yield f"{key}: {ref} is not a folder"
     elif _looks_local(ref):
         yield f"{key}: {ref} is not a folder (and is not a hub id)"
+    else:
+        missing = [names for names in needs if not _in_hub_cache(ref, names, revision)]
+        if missing:
+            yield _not_cached(key, ref, revision, missing[0])
+
+
+def _in_hub_cache(repo_id: str, names: tuple[str, ...], revision: str | None) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    # a str is a cached file; None (unknown) and _CACHED_NO_EXIST (known absent) are not
+    return any(isinstance(try_to_load_from_cache(repo_id, name, revision=revision), str)
+               for name in names)
+
+
+def _not_cached(key: str, repo_id: str, revision: str | None, names: tuple[str, ...],
+                instead: str = "a local folder") -> str:
+    from huggingface_hub import constants
+
+    at = f" at revision {revision}" if revision else ""
+    fetch = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+    return (f"{key}: hub id {repo_id}{at} is not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE} has no {' or '.join(names)} of it) and this run does "
+            f"not download; fetch it on a machine with network (`{fetch}`) and copy the cache "
+            f"here (HF_HUB_CACHE), or set {key} to {instead}")
 
 
 def _clip_problems(clip: ClipConfig) -> list[str]:
-    if clip.model.startswith("hf-hub:"):
-        return []  # open_clip fetches both the config and the weights from the hub
+    if clip.model.startswith("hf-hub:"):  # open_clip reads config and weights from the repo
+        repo = clip.model.removeprefix("hf-hub:")
+        return list(_source_problems("process.clip.model", repo,
+                                     [("open_clip_config.json",), OPEN_CLIP_WEIGHTS]))
     import open_clip
 
     problems, names = [], set(open_clip.list_models())
@@ -90,4 +267,63 @@ def _clip_problems(clip: ClipConfig) -> list[str]:
         tags = open_clip.list_pretrained_tags_by_model(clip.model)
         problems.append(f"process.clip.pretrained: {pretrained!r} is not a tag of {clip.model} "
                         f"(open_clip knows {', '.join(tags) or 'none'}) nor a file")
+    elif clip.model in names:
+        problems += _clip_tag_cached(open_clip.get_pretrained_cfg(clip.model, pretrained))
     return problems
+
+
+def _clip_tag_cached(tag: dict) -> list[str]:
+    """open_clip fetches a tag's weights from its hub repo (every tag of open_clip 3 has one;
+    a tag with a URL only is left to the loader)."""
+    if not tag.get("hf_hub"):
+        return []
+    repo, filename = os.path.split(tag["hf_hub"])
+    names = (filename,) if filename else OPEN_CLIP_WEIGHTS
+    if filename.endswith(".bin"):  # open_clip tries the safetensors twin first
+        names = (filename.removesuffix(".bin") + ".safetensors", filename)
+    if _in_hub_cache(repo, names, None):
+        return []
+    return [_not_cached("process.clip.pretrained", repo, None, names, "a checkpoint file")]
+
+
+# -- the captioning server -----------------------------------------------------------------
+
+def server_problems(cfg: PairforgeConfig) -> list[str]:
+    """The OpenAI-compatible server answers ``GET {base_url}/models`` and lists the model."""
+    rc = cfg.process.recaption
+    if not (rc.enabled and rc.backend == "openai"):
+        return []
+    import requests
+
+    url = rc.openai.base_url.rstrip("/") + "/models"
+    key = os.environ.get(rc.openai.api_key_env)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    timeout = min(SERVER_TIMEOUT_S, rc.openai.timeout_s)
+    where = f"process.recaption.openai.base_url: {rc.openai.base_url}"
+    try:
+        response = requests.get(url, headers=headers, timeout=timeout)
+    except requests.Timeout:
+        return [f"{where}: GET /models got no answer within {timeout:g} s; start the server "
+                "or correct the URL"]
+    except requests.RequestException as err:
+        return [f"{where}: GET /models failed ({_connection_reason(err)}); start the server "
+                "or correct the URL"]
+    if response.status_code != 200:
+        return [f"{where}: GET /models answered HTTP {response.status_code}"
+                + (" (check the key in $" + rc.openai.api_key_env + ")"
+                   if response.status_code in (401, 403) else "")]
+    try:
+        served = [m["id"] for m in response.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        return [f"{where}: GET /models did not answer an OpenAI model list"]
+    if rc.model not in served:
+        return [f"process.recaption.model: {rc.model!r} is not served by {rc.openai.base_url} "
+                f"(it serves {', '.join(repr(m) for m in served) or 'nothing'})"]
+    return []
+
+
+def _connection_reason(err: Exception) -> str:
+    # requests wraps the socket error three deep; its "[Errno 111] Connection refused" is
+    # the part a person needs
+    found = re.search(r"\[Errno -?\d+\] [^'\")]+", str(err))
+    return found.group(0).strip() if found else type(err).__name__

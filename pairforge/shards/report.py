@@ -16,7 +16,25 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pairforge.config import ConfigError
 from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
+
+MANIFEST = "manifest.json"
+
+
+def open_dataset(path: str, storage_options: dict | None = None) -> tuple[OutputDir, dict]:
+    """The dataset folder and its manifest; ``ConfigError`` when ``path`` is not a dataset
+    (the commands that read one answer with a message, not a traceback)."""
+    try:
+        out = OutputDir(path, storage_options)
+        found = out.exists(MANIFEST)
+    except Exception as err:  # noqa: BLE001 - an unknown protocol, a bad bucket name ...
+        raise ConfigError(f"{path}: cannot open ({type(err).__name__}: {err})") from None
+    if not found:
+        what = "has no manifest.json" if out.exists() else "does not exist"
+        raise ConfigError(f"{path} {what}, so it is not a pairforge dataset: make one with "
+                          "`pairforge build CONFIG` and pass its output.path")
+    return out, out.read_json(MANIFEST)
 
 
 def _rows(out: OutputDir, manifest: dict[str, Any]) -> pa.Table:
@@ -104,8 +122,7 @@ def render_report(path: str, storage_options: dict | None = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = OutputDir(path, storage_options)
-    manifest = out.read_json("manifest.json")
+    out, manifest = open_dataset(path, storage_options)
     rows = _rows(out, manifest)
     plots = [p for p in (_funnel(plt, manifest), _clip(plt, rows, manifest),
                          _prefix_share(plt, rows, manifest), _tokens(plt, rows)) if p]
@@ -119,3 +136,13 @@ def render_report(path: str, storage_options: dict | None = None) -> str:
             f"</title></head><body style='font-family:sans-serif'>"
             f"<h1>pairforge report: {html.escape(path)}</h1><p>{html.escape(summary)}</p>"
             f"{images}</body></html>")
+
+
+def write_report(path: str, output: str, storage_options: dict | None = None) -> None:
+    """Render the report, then write it: a dataset that cannot be read leaves no file."""
+    page = render_report(path, storage_options)
+    try:
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as err:
+        raise ConfigError(f"-o {output}: cannot write ({err.strerror or err})") from None

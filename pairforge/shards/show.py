@@ -8,6 +8,7 @@ caption trains (recaption or original) and that caption.
 from __future__ import annotations
 
 import io
+import posixpath
 import textwrap
 from typing import Any
 
@@ -15,6 +16,8 @@ import numpy as np
 import webdataset as wds
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
+from pairforge.config import ConfigError
+from pairforge.shards.report import open_dataset
 from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
 from pairforge.shards.training import IMAGE_EXTENSIONS
 
@@ -94,9 +97,16 @@ def contact_sheet(samples: list[dict[str, Any]], recons: list[Image.Image | None
 def show(path: str, output: str, task: str | None = None, grep: str | None = None,
          n: int = 16, storage_options: dict | None = None) -> int:
     """Write the sheet to ``output``; returns how many samples it shows."""
-    out = OutputDir(path, storage_options)
+    suffix = posixpath.splitext(output)[1].lower()
+    if suffix not in Image.registered_extensions():
+        raise ConfigError(f"-o {output}: not an image file name (use .png or .jpg)")
+    out, _ = open_dataset(path, storage_options)
     samples = select_samples(out, task, grep, n)
     if not samples:
         return 0
-    contact_sheet(samples, reconstructions(out, samples)).save(output)
+    sheet = contact_sheet(samples, reconstructions(out, samples))
+    try:
+        sheet.save(output)
+    except OSError as err:
+        raise ConfigError(f"-o {output}: cannot write ({err.strerror or err})") from None
     return len(samples)
