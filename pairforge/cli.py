@@ -132,12 +132,10 @@ PathArg = Annotated[str, typer.Argument(help="dataset folder (OUT) or fsspec URL
 def inspect(path: PathArg) -> None:
     """The dataset at a glance: funnel, token budget per task, shards, models."""
     from pairforge.shards.inspect import inspect_view
+    from pairforge.shards.report import open_dataset
 
-    try:
-        console.print(inspect_view(path))
-    except FileNotFoundError:
-        console.print(f"[red]error:[/red] {path} has no manifest.json: run `pairforge build`")
-        raise typer.Exit(2) from None
+    _run_guarded(open_dataset, path)  # not a dataset: say so, exit 2
+    console.print(inspect_view(path))
 
 
 @app.command()
@@ -170,8 +168,10 @@ def report(path: PathArg,
 @app.command()
 def verify(path: PathArg) -> None:
     """Re-read every tar and check it against manifest.json; exit 1 on any problem."""
+    from pairforge.shards.report import open_dataset
     from pairforge.shards.verify import verify_dataset
 
+    _run_guarded(open_dataset, path)  # not a dataset is a user error (2), not a finding (1)
     problems = verify_dataset(path)
     for problem in problems:
         console.print(f"[red]✗[/red] {problem}")

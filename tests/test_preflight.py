@@ -6,6 +6,7 @@ never the network); the only requests go to servers on 127.0.0.1.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -324,3 +325,44 @@ def test_the_demo_config_passes_its_preflight(tmp_path, monkeypatch):
     monkeypatch.chdir(root)  # the demo names its models relative to the repository
     cfg = load_config(root / "examples" / "demo.yaml", [f"output.path={tmp_path / 'demo'}"])
     preflight(cfg, "build")
+
+
+def test_the_output_probe_writes_and_deletes_on_s3(s3_server, monkeypatch):
+    """fsspec outputs get the same probe (moto's S3 on 127.0.0.1: never AWS)."""
+    import fsspec
+
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    fs = fsspec.filesystem("s3", **s3_server.storage_options)
+    fs.mkdir("pf-preflight")
+    preflight(parse_config({"input": {"path": "bundled-sample"},
+                            "output": {"path": "s3://pf-preflight/out",
+                                       "storage_options": s3_server.storage_options}}),
+              "download")
+    fs.invalidate_cache()
+    assert fs.find("pf-preflight") == []
+
+
+@pytest.mark.parametrize("name", ["in.csv", "in.csv.gz", "in.tsv", "in.jsonl", "in.parquet"])
+def test_input_columns_are_checked_from_the_first_files_header(tmp_path, name):
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / name
+    rows = [{"url": "http://127.0.0.1:9/a.jpg", "text": "a cat", "w": "3"}]
+    if name.endswith("parquet"):
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        sep = "\t" if ".tsv" in name else ","
+        text = ("\n".join(json.dumps(r) for r in rows) if ".jsonl" in name else
+                sep.join(rows[0]) + "\n" + sep.join(rows[0].values()))
+        path.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+    config = {"input": {"path": str(path), "save_additional_columns": ["w", "h"]},
+              "output": {"path": str(tmp_path / "out")}}
+    assert _stage_problems(config, "download") == [
+        f"input {str(path)!r} has no column 'caption', 'h' (columns: url, text, w); set "
+        "input.url_col / input.caption_col / input.save_additional_columns"]
+    config["input"].update(caption_col="text", save_additional_columns=["w"])
+    preflight(parse_config(config), "download")

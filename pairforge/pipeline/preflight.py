@@ -69,17 +69,45 @@ def _reason(err: BaseException) -> str:
 # -- files and folders ---------------------------------------------------------------------
 
 def input_problems(cfg: PairforgeConfig) -> list[str]:
-    from pairforge.pipeline.inputs import BUNDLED_SAMPLE, _expand_paths
+    """The input paths exist, their format is known, and the first table file has the
+    named columns (its header only: the whole input is read once, by the download)."""
+    from pairforge.pipeline.inputs import BUNDLED_SAMPLE, _expand_paths, detect_format
 
     if cfg.input.path == BUNDLED_SAMPLE:
         return []
     try:
-        _expand_paths(cfg.input)
+        files = [(fs, path, cfg.input.format if cfg.input.format != "auto" or fs.isdir(path)
+                  else detect_format(path)) for fs, path in _expand_paths(cfg.input)]
+        return _column_problems(cfg, *files[0]) if files else []
     except ConfigError as err:
         return [str(err)]
     except Exception as err:  # noqa: BLE001 - any filesystem error is the user's to fix
-        return [f"input.path: cannot list {cfg.input.path!r} ({_reason(err)})"]
-    return []
+        return [f"input.path: cannot read {cfg.input.path!r} ({_reason(err)})"]
+
+
+def _column_problems(cfg: PairforgeConfig, fs, path: str, fmt: str) -> list[str]:  # noqa: ANN001
+    import csv
+    import json
+
+    import pyarrow.parquet as pq
+
+    if fmt == "parquet":
+        with fs.open(path, "rb") as f:
+            columns = pq.read_schema(f).names
+    elif fmt in ("csv", "tsv", "jsonl"):
+        with fs.open(path, "rt", compression="infer", encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+        columns = (list(json.loads(first or "{}")) if fmt == "jsonl" else
+                   next(csv.reader([first], delimiter="\t" if fmt == "tsv" else ","), []))
+    else:
+        return []  # folders, tars, txt and json lists: the download reads them whole
+    wanted = [cfg.input.url_col, cfg.input.caption_col, *cfg.input.save_additional_columns]
+    missing = [c for c in wanted if c and c not in columns]
+    if not missing:
+        return []
+    return [f"input {path!r} has no column {', '.join(repr(m) for m in missing)} (columns: "
+            f"{', '.join(columns)}); set input.url_col / input.caption_col / "
+            "input.save_additional_columns"]
 
 
 def output_problems(cfg: PairforgeConfig) -> list[str]:
@@ -97,11 +125,24 @@ def output_problems(cfg: PairforgeConfig) -> list[str]:
             f.write(b"probe")
         out.fs.rm(probe)
     except Exception as err:  # noqa: BLE001 - local, S3, GCS ... each raise their own kind
-        return [f"output.path: cannot create or write {path} ({_reason(err)})"]
+        hint = _local_hint(path, err) if isinstance(err, OSError) else ""
+        return [f"output.path: cannot create or write {path} ({_reason(err)}){hint}"]
     finally:
         if created is not None:
             _remove_empty_folders(Path(out.root), created)
     return []
+
+
+def _local_hint(path: str, err: OSError) -> str:
+    """Which part of a local path is in the way: a file where a folder must be, or a folder
+    (such as /proc) that refuses new entries."""
+    for folder in Path(path).expanduser().parents:
+        if folder.is_file():
+            return f": {folder} is a file, not a folder"
+        if folder.is_dir():
+            refused = isinstance(err, (FileNotFoundError, PermissionError))
+            return f": {folder} exists but refuses new folders" if refused else ""
+    return ""
 
 
 def _first_missing_folder(path: str) -> Path | None:
