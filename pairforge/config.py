@@ -347,6 +347,12 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PairforgeConfig:
     """Read a YAML config, apply overrides, validate; raise ConfigError naming the key."""
+    return parse_config(read_yaml_mapping(path), overrides)
+
+
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """A YAML file's top-level mapping; ``ConfigError`` naming the file (and the line and
+    column of a syntax error) when it cannot be read, parsed or is not a mapping."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
@@ -362,4 +368,4 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Pairfor
         raise ConfigError(f"config {where}: not valid YAML ({_yaml_problem(err)})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping at the top level")
-    return parse_config(data, overrides)
+    return data
