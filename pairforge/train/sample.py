@@ -66,6 +66,68 @@ def generate_image_codes(model: Transformer, layout: VocabLayout, caption: list[
     return np.asarray(cond[len(caption) + 2:], dtype=np.int64) - lo
 
 
+def _top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    if not top_k:
+        return logits
+    kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+@torch.no_grad()
+def generate_image_codes_batch(model: Transformer, layout: VocabLayout,
+                               captions: list[list[int]], n_tokens: int, cfg_scale: float = 3.0,
+                               temperature: float = 1.0, top_k: int = 0,
+                               generator: torch.Generator | None = None) -> list[np.ndarray]:
+    """:func:`generate_image_codes` for many captions at once, in input order.
+
+    Captions of one token length run as one batch (no padding: positions stay exactly those
+    of training); the unconditional rows are shared by the whole batch's context shape.
+    """
+    out: list[np.ndarray | None] = [None] * len(captions)
+    by_length: dict[int, list[int]] = {}
+    for i, caption in enumerate(captions):
+        by_length.setdefault(len(caption), []).append(i)
+    lo, hi = layout.image_offset, layout.sov
+    for rows in by_length.values():
+        cond = torch.tensor([[layout.eos, *captions[i], layout.sov] for i in rows])
+        uncond = torch.tensor([[layout.eos, layout.sov]] * len(rows))
+        for _ in range(n_tokens):
+            c = model(cond)[:, -1, lo:hi].float()
+            u = model(uncond)[:, -1, lo:hi].float() if cfg_scale != 1.0 else c
+            logits = _top_k((u + cfg_scale * (c - u)) / max(temperature, 1e-6), top_k)
+            codes = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator) + lo
+            cond, uncond = torch.cat([cond, codes], 1), torch.cat([uncond, codes], 1)
+        for row, i in enumerate(rows):
+            out[i] = uncond[row, 2:].numpy().astype(np.int64) - lo
+    return [o for o in out if o is not None]
+
+
+@torch.no_grad()
+def caption_codes_batch(model: Transformer, layout: VocabLayout, codes: list[np.ndarray],
+                        max_tokens: int = 64) -> list[list[int]]:
+    """:func:`caption_codes` (greedy, text ids only, until EOS) for images of one size."""
+    images = [layout.image_ids(np.asarray(c).reshape(-1)).tolist() for c in codes]
+    if len({len(i) for i in images}) > 1:
+        raise ValueError("caption_codes_batch needs images with the same number of codes")
+    context = torch.tensor([[layout.eos, layout.sov, *i, layout.eov] for i in images])
+    allowed = torch.full((layout.total_size,), float("-inf"))
+    allowed[:layout.text_vocab_size] = 0
+    allowed[layout.eos] = 0
+    done = torch.zeros(len(images), dtype=torch.bool)
+    room = model.cfg.max_seq_len - context.shape[1]
+    for _ in range(min(max_tokens, room)):
+        token = torch.argmax(model(context)[:, -1].float() + allowed, -1)
+        token = token.masked_fill(done, layout.eos)
+        done |= token == layout.eos
+        context = torch.cat([context, token[:, None]], 1)
+        if bool(done.all()):
+            break
+    out = []
+    for row in context[:, len(images[0]) + 3:].tolist():
+        out.append(row[:row.index(layout.eos)] if layout.eos in row else row)
+    return out
+
+
 @torch.no_grad()
 def caption_codes(model: Transformer, layout: VocabLayout, codes: np.ndarray,
                   max_tokens: int = 64) -> list[int]:
