@@ -75,9 +75,13 @@ def input_problems(cfg: PairforgeConfig) -> list[str]:
 
     if cfg.input.path == BUNDLED_SAMPLE:
         return []
+    def format_of(fs, path: str) -> str:  # noqa: ANN001 - as read_input_table decides it
+        if cfg.input.format != "auto" or fs.isdir(path):
+            return cfg.input.format
+        return detect_format(path)
+
     try:
-        files = [(fs, path, cfg.input.format if cfg.input.format != "auto" or fs.isdir(path)
-                  else detect_format(path)) for fs, path in _expand_paths(cfg.input)]
+        files = [(fs, path, format_of(fs, path)) for fs, path in _expand_paths(cfg.input)]
         return _column_problems(cfg, *files[0]) if files else []
     except ConfigError as err:
         return [str(err)]
