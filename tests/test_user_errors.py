@@ -188,7 +188,19 @@ def _not_utf8(tmp_path: Path) -> tuple[list[str], list[str]]:  # latin-1 bytes
     return ["build", str(path)], [f"cannot read config {path}: not UTF-8 text"]
 
 
+def _process_before_dedup(tmp_path: Path) -> tuple[list[str], list[str]]:
+    built = tmp_path / "built"  # stage 1 finished here (its stats file is what counts)
+    (built / "raw").mkdir(parents=True)
+    (built / "raw" / "00000_stats.json").write_text("{}")
+    return (["process", write_config(tmp_path, {"output": {"path": str(built)}})],
+            [f"output.path: {built} has no finished dedup: run `pairforge dedup` first"])
+
+
 CASES["config-not-utf8"] = _not_utf8
+CASES["process-before-dedup"] = _process_before_dedup
+CASES["process-before-download"] = lambda t: (
+    ["process", write_config(t)],
+    [f"output.path: {t / 'out'} has no complete raw shards: run `pairforge download`"])
 
 
 def run_cli(argv: list[str]):  # noqa: ANN201

@@ -41,9 +41,8 @@ def preflight(cfg: PairforgeConfig, stage: Stage) -> None:
     problems = []
     if stage in ("download", "build"):
         problems += input_problems(cfg)
-    problems += output_problems(cfg)
-    if stage == "dedup" and cfg.dedup.enabled:
-        problems += raw_shard_problems(cfg)
+    # an output folder that cannot be written is not asked for earlier stages' files
+    problems += output_problems(cfg) or earlier_stage_problems(cfg, stage)
     if stage in ("dedup", "build") and cfg.dedup.enabled:
         problems += dedup_index_problems(cfg)
     if stage in ("process", "build"):
@@ -173,15 +172,22 @@ def _remove_empty_folders(leaf: Path, top: Path) -> None:
         return
 
 
-def raw_shard_problems(cfg: PairforgeConfig) -> list[str]:
+def earlier_stage_problems(cfg: PairforgeConfig, stage: Stage) -> list[str]:
+    """A stage run on its own needs the output of the stages before it."""
     from pairforge.shards.raw import completed_shards
-    from pairforge.shards.storage import RAW_FOLDER, OutputDir
+    from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir
 
-    out = OutputDir(cfg.output.path, cfg.output.storage_options)
-    if completed_shards(out, RAW_FOLDER):
+    if stage not in ("dedup", "process") or (stage == "dedup" and not cfg.dedup.enabled):
         return []
-    return [f"output.path: {cfg.output.path} has no complete raw shards: run "
-            "`pairforge download` (or `pairforge build`) first"]
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
+    if not completed_shards(out, RAW_FOLDER):
+        return [f"output.path: {cfg.output.path} has no complete raw shards: run "
+                "`pairforge download` (or `pairforge build`) first"]
+    if stage == "process" and cfg.dedup.enabled and not out.exists(DEDUP_FOLDER,
+                                                                    "dedup_stats.json"):
+        return [f"output.path: {cfg.output.path} has no finished dedup: run `pairforge dedup` "
+                "first, or set dedup.enabled=false"]
+    return []
 
 
 def dedup_index_problems(cfg: PairforgeConfig) -> list[str]:
