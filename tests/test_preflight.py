@@ -85,6 +85,15 @@ def test_a_folder_without_the_loaders_files_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert _problems(_tokenize({"path_or_id": str(tmp_path)})) == [
         f"process.tokenize.image.path_or_id: {tmp_path} has no model.safetensors"]
+    vlm = tmp_path / "vlm"
+    shutil.copytree(SAMPLE / "captioner", vlm)
+    (vlm / "processor_config.json").unlink()
+    (vlm / "model.safetensors").unlink()
+    assert _problems({"recaption": {"enabled": True, "model": str(vlm), **NO_GROUNDING}}) == [
+        f"process.recaption.model: {vlm} has no model.safetensors or "
+        "model.safetensors.index.json or pytorch_model.bin or pytorch_model.bin.index.json",
+        f"process.recaption.model: {vlm} has no processor_config.json or "
+        "preprocessor_config.json"]
 
 
 def test_every_problem_is_listed_at_once(tmp_path):

@@ -176,6 +176,12 @@ CASES: dict[str, Case] = {
     "no-dataset-report": lambda t: (
         ["report", str(t / "absent"), "-o", str(t / "r.html")],
         [f"{t / 'absent'} does not exist, so it is not a pairforge dataset"]),
+    "report-into-a-missing-folder": lambda t: (
+        ["report", str(t), "-o", str(t / "absent" / "r.html")],
+        [f"-o {t / 'absent' / 'r.html'}: the folder {t / 'absent'} does not exist"]),
+    "show-into-a-missing-folder": lambda t: (
+        ["show", str(t), "-o", str(t / "absent" / "s.png")],
+        [f"-o {t / 'absent' / 's.png'}: the folder {t / 'absent'} does not exist"]),
     "show-not-an-image-name": lambda t: (
         ["show", str(t), "-o", str(t / "sheet.txt")],
         [f"-o {t / 'sheet.txt'}: not an image file name"]),
@@ -260,3 +266,54 @@ def test_the_installed_command_answers_the_same(name, tmp_path):
                             text=True, timeout=120, env={**os.environ, "COLUMNS": "60"})
     assert result.stdout == ""
     assert_user_error(result.stderr, result.returncode, words)
+
+
+def test_show_where_the_tokenizer_path_does_not_resolve_notes_it_and_draws(tmp_path):
+    """A manifest names the tokenizer as the build's config did (here a relative path):
+    from another folder the sheet is drawn without reconstructions, with a note."""
+    import io
+    import json
+    import tarfile
+
+    import numpy as np
+    from PIL import Image
+
+    shards = tmp_path / "data" / "shards"
+    shards.mkdir(parents=True)
+    members = {"000000000.jpg": _jpeg(Image.new("RGB", (32, 32), "red")),
+               "000000000.txt": b"a red square",
+               "000000000.json": json.dumps({"task": "t2i", "clip_score": 0.3}).encode(),
+               "000000000.vq.npy": _npy(np.zeros((4, 4), np.int32))}
+    with tarfile.open(shards / "00000.tar", "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    manifest = {"shards": [{"name": "00000.tar", "samples": 1}], "vocab": {"K": 16},
+                "config": {"process": {"tokenize": {"image": {
+                    "backend": "pairforge-vq", "path_or_id": "models/vq-built-elsewhere"}}}}}
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps(manifest))
+    result = run_cli(["show", str(tmp_path / "data"), "-o", str(tmp_path / "s.png")])
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    assert ("note: no VQ reconstructions: the image tokenizer models/vq-built-elsewhere does "
+            "not load from here") in result.output
+    assert Image.open(tmp_path / "s.png").size == (4 * 192, 192 + 4 * 13 + 8)  # one column
+
+
+def _jpeg(image) -> bytes:  # noqa: ANN001
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+def _npy(array) -> bytes:  # noqa: ANN001
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()

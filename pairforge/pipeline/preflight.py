@@ -32,6 +32,7 @@ CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # AutoProcessor's
 OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 SERVER_TIMEOUT_S = 5.0  # GET /models: a live server answers at once
 
@@ -227,7 +228,7 @@ def model_problems(cfg: PairforgeConfig) -> list[str]:
         problems += _clip_problems(process.clip)
     if process.recaption.enabled and process.recaption.backend == "transformers":
         problems += _source_problems("process.recaption.model", process.recaption.model,
-                                     [("config.json",), WEIGHT_FILES],
+                                     [("config.json",), WEIGHT_FILES, PROCESSOR_FILES],
                                      process.recaption.revision)
     return problems
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
 from typing import Any
 
 import numpy as np
@@ -140,9 +141,17 @@ def render_report(path: str, storage_options: dict | None = None) -> str:
 
 def write_report(path: str, output: str, storage_options: dict | None = None) -> None:
     """Render the report, then write it: a dataset that cannot be read leaves no file."""
+    check_output_folder(output)
     page = render_report(path, storage_options)
     try:
         with open(output, "w", encoding="utf-8") as f:
             f.write(page)
     except OSError as err:
         raise ConfigError(f"-o {output}: cannot write ({err.strerror or err})") from None
+
+
+def check_output_folder(output: str) -> None:
+    """``-o``'s folder exists: said before the work, not after it."""
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"-o {output}: the folder {folder} does not exist")

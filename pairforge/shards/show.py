@@ -17,7 +17,7 @@ import webdataset as wds
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from pairforge.config import ConfigError
-from pairforge.shards.report import open_dataset
+from pairforge.shards.report import check_output_folder, open_dataset
 from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
 from pairforge.shards.training import IMAGE_EXTENSIONS
 
@@ -50,15 +50,27 @@ def _image(sample: dict[str, Any]) -> Image.Image:
     return Image.open(io.BytesIO(sample[ext])).convert("RGB")
 
 
-def reconstructions(out: OutputDir, samples: list[dict[str, Any]]) -> list[Image.Image | None]:
-    """Decoded VQ codes of each sample, when the dataset's image tokenizer can decode."""
+def reconstructions(out: OutputDir, samples: list[dict[str, Any]],
+                    notes: list[str] | None = None) -> list[Image.Image | None]:
+    """Decoded VQ codes of each sample, when the dataset's image tokenizer can decode.
+
+    The manifest names the tokenizer as the build's config did, maybe by a path relative
+    to where the build ran; when it cannot be loaded from here the sheet goes without
+    reconstructions and ``notes`` says why."""
     manifest = out.read_json("manifest.json")
     image_cfg = (manifest["config"]["process"]["tokenize"] or {}).get("image")
     if not manifest.get("vocab") or not image_cfg:
         return [None] * len(samples)
     from pairforge.tokenizers.registry import load_image_tokenizer
 
-    tokenizer = load_image_tokenizer({**image_cfg, "device": "cpu"})
+    try:
+        tokenizer = load_image_tokenizer({**image_cfg, "device": "cpu"})
+    except (OSError, ValueError) as err:
+        if notes is not None:
+            notes.append(f"no VQ reconstructions: the image tokenizer "
+                         f"{image_cfg.get('path_or_id')} does not load from here ({err}); run "
+                         "show where the build ran, or where that path exists")
+        return [None] * len(samples)
     if not tokenizer.has_decoder:
         return [None] * len(samples)
     return tokenizer.decode([np.asarray(s["vq.npy"]) for s in samples])
@@ -95,16 +107,19 @@ def contact_sheet(samples: list[dict[str, Any]], recons: list[Image.Image | None
 
 
 def show(path: str, output: str, task: str | None = None, grep: str | None = None,
-         n: int = 16, storage_options: dict | None = None) -> int:
-    """Write the sheet to ``output``; returns how many samples it shows."""
+         n: int = 16, storage_options: dict | None = None,
+         notes: list[str] | None = None) -> int:
+    """Write the sheet to ``output``; returns how many samples it shows. ``notes`` collects
+    what the sheet leaves out and why."""
     suffix = posixpath.splitext(output)[1].lower()
     if suffix not in Image.registered_extensions():
         raise ConfigError(f"-o {output}: not an image file name (use .png or .jpg)")
+    check_output_folder(output)
     out, _ = open_dataset(path, storage_options)
     samples = select_samples(out, task, grep, n)
     if not samples:
         return 0
-    sheet = contact_sheet(samples, reconstructions(out, samples))
+    sheet = contact_sheet(samples, reconstructions(out, samples, notes))
     try:
         sheet.save(output)
     except OSError as err:
