@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import tarfile
 from collections import Counter
 from pathlib import Path
 
@@ -12,9 +15,11 @@ import webdataset as wds
 import wids
 from conftest import COCO_IMAGES
 from loopback_server import LoopbackServer
+from PIL import Image
 
 from pairforge.config import parse_config
-from pairforge.pipeline.runner import run_download
+from pairforge.pipeline.download import download_shard
+from pairforge.pipeline.runner import input_shards, run_download
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +174,39 @@ def test_sigkill_then_rerun_equals_uninterrupted_run(tmp_path, servers):
     assert len(tars) == 12
     assert not [p for p in raw.iterdir() if ".tmp-" in p.name]
     assert _shard_contents(raw) == _shard_contents(tmp_path / "whole" / "raw")
+
+
+def _tar_input(path: Path, members: list[tuple[str, bytes]]) -> None:
+    with tarfile.open(path, "w:gz" if path.suffix == ".gz" else "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("name", ["old.tar", "old.tar.gz"])
+def test_existing_tar_is_reprocessed_without_network(tmp_path, name):
+    """Rows of an existing WebDataset tar (plain or gzipped, any extension case) are read
+    back from the tar by the shard task: resized, hashed and written like downloads."""
+    photos = []
+    for i, colour in enumerate([(200, 30, 30), (30, 200, 30), (30, 30, 200)]):
+        buffer = io.BytesIO()
+        Image.new("RGB", (120 + i, 90), colour).save(buffer, "JPEG" if i else "PNG")
+        photos.append(buffer.getvalue())
+    _tar_input(tmp_path / name, [
+        ("a/000.jpg", photos[1]), ("a/000.txt", b"green"),
+        ("a/001.PNG", photos[0]), ("a/001.txt", b"red"), ("a/001.json", b"{}"),
+        ("a/002.jpeg", photos[2]), ("a/002.txt", b"blue"), ("stray", b"no extension"),
+    ])
+    cfg = parse_config({"input": {"path": str(tmp_path / name), "shard_size": 10},
+                        "output": {"path": str(tmp_path / "out")},
+                        "download": {"threads": 2, "image": {"image_size": 64}}})
+    with input_shards(cfg) as shards:
+        stats = download_shard(shards[0], cfg)
+    assert stats["status"] == {"ok": 3}
+    table = pq.read_table(tmp_path / "out" / "raw" / "00000.parquet").to_pylist()
+    assert [r["caption"] for r in table] == ["green", "red", "blue"]
+    assert [r["original_width"] for r in table] == [121, 120, 122]
+    assert [r["height"] for r in table] == [64, 64, 64]
+    assert [r["sha256"] for r in table] == [
+        hashlib.sha256(p).hexdigest() for p in (photos[1], photos[0], photos[2])]

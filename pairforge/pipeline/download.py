@@ -7,7 +7,6 @@ One shard is one Ray task; inside it a thread pool overlaps network waits while 
 from __future__ import annotations
 
 import json
-import tarfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from pairforge.pipeline.inputs import InputShard
 from pairforge.records import Status, index_digits, json_safe, make_key
 from pairforge.shards.raw import RawShardWriter
 from pairforge.shards.storage import RAW_FOLDER, OutputDir
+from pairforge.shards.tar import iter_samples, split_member_name
 
 ProgressFn = Callable[[Counter], None]
 
@@ -41,18 +41,25 @@ def decode_caption(raw: bytes | None, required: bool) -> tuple[str | None, str |
 
 
 def _read_tar_members(sources: list[str], storage_options: dict[str, Any]) -> dict[str, bytes]:
-    """Bytes of every ``tar:LOCATION#MEMBER`` source, one sequential pass per tar."""
-    wanted: dict[str, set[str]] = defaultdict(set)
+    """Bytes of every ``tar:LOCATION#MEMBER`` source, one sequential pass per tar.
+
+    Members are matched as the input reader named them: by sample key and extension,
+    the extension's case ignored (``inputs._tar_rows`` keys them the same way). A
+    ``.tar.gz`` is decompressed on the fly by fsspec.
+    """
+    wanted: dict[str, dict[tuple[str | None, str], str]] = defaultdict(dict)
     for source in sources:
         location, member = source[len("tar:"):].rsplit("#", 1)
-        wanted[location].add(member)
+        key, extension = split_member_name(member)
+        wanted[location][(key, (extension or "").lower())] = source
     found: dict[str, bytes] = {}
     for location, members in wanted.items():
-        with (fsspec.open(location, "rb", **storage_options) as f,
-              tarfile.open(fileobj=f, mode="r|*") as tar):
-            for info in tar:
-                if info.name in members:
-                    found[f"tar:{location}#{info.name}"] = tar.extractfile(info).read()
+        with fsspec.open(location, "rb", compression="infer", **storage_options) as f:
+            for key, files in iter_samples(f):
+                for extension, data in files.items():
+                    source = members.get((key, extension))
+                    if source is not None:
+                        found[source] = data
     return found
 
 
