@@ -53,9 +53,13 @@ class ModelsServer:
         return Handler
 
 
-def closed_port_url() -> str:
-    """A /v1 URL on 127.0.0.1 at a port that was just free: a connection there is refused."""
+def closed_port() -> int:
+    """A port on 127.0.0.1 that was just free: a connection there is refused."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
+        return sock.getsockname()[1]
+
+
+def closed_port_url() -> str:
+    """A /v1 URL at ``closed_port()``."""
+    return f"http://127.0.0.1:{closed_port()}/v1"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from models_server import ModelsServer, closed_port_url
+from models_server import ModelsServer, closed_port, closed_port_url
 
 import pairforge
 from pairforge.config import ConfigError, PairforgeConfig, parse_config
@@ -375,3 +375,20 @@ def test_input_columns_are_checked_from_the_first_files_header(tmp_path, name):
         "input.url_col / input.caption_col / input.save_additional_columns"]
     config["input"].update(caption_col="text", save_additional_columns=["w"])
     preflight(parse_config(config), "download")
+
+
+def test_a_ray_address_where_nothing_listens_is_named(monkeypatch):
+    from pairforge.pipeline.preflight import ray_problems
+
+    address = f"127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", f"ray://{address}")
+    assert ray_problems(_cfg({})) == [
+        f"RAY_ADDRESS: nothing answers at ray://{address} (Connection refused); start the "
+        "cluster (`ray start --head`) or correct the address"]
+    for unset in ("auto", "local", ""):
+        monkeypatch.setenv("RAY_ADDRESS", unset)
+        assert ray_problems(_cfg({})) == []
+    with ModelsServer([]) as server:  # anything that accepts the connection
+        listening = server.base_url.removeprefix("http://").removesuffix("/v1")
+        cfg = parse_config({"input": {"path": "x"}, "ray": {"address": listening}})
+        assert ray_problems(cfg) == []

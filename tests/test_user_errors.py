@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from models_server import ModelsServer, closed_port_url
+from models_server import ModelsServer, closed_port, closed_port_url
 from typer.testing import CliRunner
 
 from pairforge.cli import app
@@ -163,6 +163,9 @@ CASES: dict[str, Case] = {
         ["build", write_config(t, openai(url := closed_port_url()))],
         [f"process.recaption.openai.base_url: {url}: GET /models failed ([Errno 111] "
          "Connection refused)"]),
+    "ray-address-not-listening": lambda t: (
+        ["download", write_config(t, {"ray": {"address": (url := f"127.0.0.1:{closed_port()}")}})],
+        [f"ray.address: nothing answers at {url} (Connection refused)"]),
     "not-a-dataset-inspect": lambda t: (
         ["inspect", str(t)], [f"{t} has no manifest.json"]),
     "not-a-dataset-verify": lambda t: (

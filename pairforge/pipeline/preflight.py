@@ -44,6 +44,7 @@ def preflight(cfg: PairforgeConfig, stage: Stage) -> None:
         problems += input_problems(cfg)
     # an output folder that cannot be written is not asked for earlier stages' files
     problems += output_problems(cfg) or earlier_stage_problems(cfg, stage)
+    problems += ray_problems(cfg)
     if stage in ("dedup", "build") and cfg.dedup.enabled:
         problems += dedup_index_problems(cfg)
     if stage in ("process", "build"):
@@ -338,7 +339,26 @@ def _clip_tag_cached(tag: dict) -> list[str]:
     return [_not_cached("process.clip.pretrained", repo, None, names, "a checkpoint file")]
 
 
-# -- the captioning server -----------------------------------------------------------------
+# -- services ------------------------------------------------------------------------------
+
+def ray_problems(cfg: PairforgeConfig) -> list[str]:
+    """A cluster address must accept a connection: ray.init waits minutes on one that
+    does not, silently."""
+    import socket
+
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    host, _, port = (address or "").split("://")[-1].rpartition(":")
+    if not host or not port.isdigit():  # unset, "auto", "local": nothing to reach
+        return []
+    key = "ray.address" if cfg.ray.address else "RAY_ADDRESS"
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=SERVER_TIMEOUT_S).close()
+    except OSError as err:
+        return [f"{key}: nothing answers at {address} ({_reason(err)}); start the cluster "
+                "(`ray start --head`) or correct the address"]
+    return []
+
+
 
 def server_problems(cfg: PairforgeConfig) -> list[str]:
     """The OpenAI-compatible server answers ``GET {base_url}/models`` and lists the model."""
