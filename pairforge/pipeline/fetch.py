@@ -602,6 +602,10 @@ class Fetcher:
         cap = self.cfg.max_bytes
         body = bytearray()
         try:
+            if response.length is not None and response.length <= cap:
+                # Content-Length, checked against the cap: one read of exactly that
+                # many bytes into one buffer (a short body raises IncompleteRead).
+                return response.read()
             while True:
                 # Never ask for more than one byte past the cap.
                 data = response.read(min(_CHUNK, cap + 1 - len(body)))
