@@ -9,7 +9,8 @@ import typer
 from rich.markup import escape
 
 from pairforge.config import ConfigError, PairforgeConfig, load_config
-from pairforge.pipeline.progress import console, status_table
+from pairforge.pipeline.progress import console
+from pairforge.shards.inspect import status_table
 from pairforge.tokenizers.cli import app as tokenizers_app
 from pairforge.train.cli import sample as sample_command
 from pairforge.train.cli import train as train_command

@@ -88,6 +88,51 @@ HASH_COLUMNS = ["key", "status", "sha256", "pixel_hash", "phash", "original_widt
                 "original_height"]
 
 
+# Columns stage 3 may add to the raw record, in the order they appear in its parquet. Steps
+# declare what they provide by name from here, so every column has one type everywhere.
+PROCESS_COLUMNS: dict[str, pa.DataType] = {
+    "duplicate_of": pa.string(),  # the kept key, for duplicate_exact/duplicate_near rows
+    "clip_score": pa.float32(),
+    "clip_embedding": pa.list_(pa.float32()),  # written to OUT/embeddings, not the parquet
+    "recaption": pa.string(),
+    "recaption_flags": pa.list_(pa.string()),
+    "recaption_origin": pa.string(),  # model, build (another row's) or cache
+    "caption_source": pa.string(),  # recaption or original: which caption trains
+    "train_caption": pa.string(),  # the one training caption (recaption/choice.py)
+    "image_tokens": pa.list_(pa.int32()),
+    "token_grid": pa.list_(pa.int32()),
+    "n_image_tokens": pa.int32(),
+    "caption_tokens": pa.list_(pa.int32()),
+    "n_caption_tokens": pa.int32(),
+    "task": pa.string(),  # t2i, i2t or img (shards/tasks.py), set by the writer
+}
+# Step outputs written to their own per-shard files rather than the parquet.
+PER_SHARD_FILES = {"clip_embedding"}
+# What the steps see of a raw row (plus its image); the writer has the rest.
+STEP_INPUT_COLUMNS = ["key", "caption", "status", "error", "image_format", "width", "height",
+                      "original_width", "original_height", "pixel_hash", "phash"]
+# The fields of every sample's json in a training tar (DESIGN.md section 4).
+SAMPLE_FIELDS = ["key", "url", "caption", "width", "height", "original_width",
+                 "original_height", "image_format", "sha256", "pixel_hash", "phash",
+                 "clip_score", "recaption", "recaption_flags", "caption_source"]
+TOKEN_FIELDS = ["task", "n_image_tokens", "token_grid", "n_caption_tokens"]
+
+
+def process_columns(*names: str) -> dict[str, pa.DataType]:
+    """The declared types of the named stage-3 columns, for a step's ``provides``."""
+    return {name: PROCESS_COLUMNS[name] for name in names}
+
+
+def process_fields(provided: dict[str, pa.DataType]) -> list[pa.Field]:
+    """The columns stage 3 adds to a raw shard's parquet, given what its steps provide (in
+    chain order); the same in every shard of a run."""
+    columns = {"duplicate_of": PROCESS_COLUMNS["duplicate_of"]}
+    columns.update((n, t) for n, t in provided.items() if n not in PER_SHARD_FILES)
+    if "n_image_tokens" in provided:
+        columns["task"] = PROCESS_COLUMNS["task"]
+    return [pa.field(n, t) for n, t in columns.items()]
+
+
 def raw_schema(extra_columns: list[str] | None = None) -> pa.Schema:
     """Schema of a raw shard parquet; user columns are kept as strings."""
     fields = list(RAW_COLUMNS)
@@ -98,6 +143,11 @@ def raw_schema(extra_columns: list[str] | None = None) -> pa.Schema:
 def make_key(shard_id: int, index: int, index_digits: int = 4) -> str:
     """``SSSSSIIII`` digits: shard id then the row's index in its shard, never a dot."""
     return f"{shard_id:05d}{index:0{index_digits}d}"
+
+
+def shard_of_key(key: str, index_digits: int) -> int:
+    """The shard id of a key made by ``make_key`` with ``index_digits``."""
+    return int(key[:-index_digits])
 
 
 def index_digits(shard_size: int) -> int:

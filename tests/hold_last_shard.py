@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from pairforge.cli import app
 from pairforge.pipeline import process
-from pairforge.pipeline.steps import Step, StepResult
+from pairforge.stage import Step, StepResult
 
 HELD_SHARD = "00003"
 

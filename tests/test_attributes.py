@@ -275,3 +275,12 @@ def test_any_word_soup_is_handled(words: list[str]) -> None:
     assert isinstance(result.text, str) and isinstance(result.fluent, bool)
     # the filter never edits a caption without reporting what it removed
     assert result.removed or result.text == caption
+
+
+def test_one_plural_rule_for_attributes_and_grounding() -> None:
+    from pairforge.recaption.words import plural
+
+    cases = {"woman": "women", "police man": "police men", "human": "humans",
+             "lady": "ladies", "boy": "boys", "box": "boxes", "bench": "benches",
+             "knife": "knives", "hot dog": "hot dogs"}
+    assert {word: plural(word) for word in cases} == cases

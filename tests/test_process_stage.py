@@ -166,12 +166,13 @@ def test_two_model_pools_do_not_hang_two_cores(tmp_path, coco_raw, tiny_clip, ra
     assert summary["status"] == {"ok": N_IMAGES - 2, "http_error": 1, "caption_too_short": 1}
 
 
-def test_a_pool_shares_one_shard_batch_by_batch(tmp_path, coco_raw, ray_local, monkeypatch):
+def test_a_pool_shares_one_shard_batch_by_batch(tmp_path, coco_raw, ray_local, monkeypatch,
+                                                 tiny_clip):
     """A shard is cut into model batches, so both actors of a pool work on it (a shard used
     to be one block, which went to one actor whatever the pool size)."""
     import pyarrow as pa
 
-    from pairforge.pipeline.steps import ModelStep, StepResult
+    from pairforge.stage import ModelStep, StepResult
 
     class ActorPidStep(ModelStep):  # a model step that says which actor ran each row
         name = "actor_pid"
@@ -195,7 +196,7 @@ def test_a_pool_shares_one_shard_batch_by_batch(tmp_path, coco_raw, ray_local, m
     for extra in (out / "raw").iterdir():
         if not extra.name.startswith("00000"):
             extra.unlink()
-    cfg = parse_config(_config(out, {}, pool_size=2, batch_size=1))
+    cfg = parse_config(_config(out, tiny_clip, pool_size=2, batch_size=1))
     summary = run_process(cfg, show_progress=False)
     assert summary["status"] == {"ok": 9, "http_error": 1}
     pids = [r["actor_pid"] for r in _rows(out).values() if r["status"] == "ok"]
@@ -203,14 +204,14 @@ def test_a_pool_shares_one_shard_batch_by_batch(tmp_path, coco_raw, ray_local, m
 
 
 def test_shards_are_written_while_the_pool_still_works(tmp_path, coco_raw, ray_local,
-                                                      monkeypatch):
+                                                      monkeypatch, tiny_clip):
     """A shard is written as soon as its rows are back, while the actors go on with later
     shards. (After an actor pool, an operator that asked Ray for a whole CPU waited for
     the pool to end, so every write came after the last model call and every image
     stayed in the object store until then.)"""
     import pyarrow as pa
 
-    from pairforge.pipeline.steps import ModelStep, StepResult
+    from pairforge.stage import ModelStep, StepResult
 
     ok_rows = N_IMAGES - 1  # one 404; the basic filter is off
     out_dir = None
@@ -238,7 +239,7 @@ def test_shards_are_written_while_the_pool_still_works(tmp_path, coco_raw, ray_l
     monkeypatch.setattr(process_module, "enabled_steps", lambda cfg: [LastBatchWaits])
     out_dir = _fresh_out(tmp_path, coco_raw)
     # the actor asks for all the CPUs that the stage's tasks leave (1.25 of 2)
-    cfg = parse_config(_config(out_dir, {}, pool_size=1, batch_size=2, num_cpus=2))
+    cfg = parse_config(_config(out_dir, tiny_clip, pool_size=1, batch_size=2, num_cpus=2))
     run_process(cfg, show_progress=False)
     written = [r["shards_written"] for r in _rows(out_dir).values() if r["status"] == "ok"]
     assert len(written) == ok_rows
@@ -314,7 +315,7 @@ def test_resume_after_sigkill_gives_same_output(tmp_path, coco_raw, tiny_clip):
 def test_actor_cpus_leave_room_for_tasks():
     from pairforge.filters.basic import BasicFilterStep
     from pairforge.filters.clip import ClipStep
-    from pairforge.pipeline.steps import TASK_CPU_RESERVE, fit_actor_cpus
+    from pairforge.pipeline.placement import TASK_CPU_RESERVE, fit_actor_cpus
 
     class Other(ClipStep):
         name = "other"

@@ -31,9 +31,9 @@ from pairforge.config import RecaptionConfig, parse_config
 from pairforge.pipeline.process import run_process
 from pairforge.recaption.backends import OpenAICaptioner, TransformersCaptioner, data_url
 from pairforge.recaption.cache import CachedCaption, CaptionCache, mentions_text
+from pairforge.recaption.choice import training_caption
 from pairforge.recaption.grounding import NounLexicon
 from pairforge.recaption.prompts import clean_caption
-from pairforge.recaption.step import training_caption
 from pairforge.recaption.tiny import fit_captioner, save_tiny_captioner
 
 TAUGHT = ["A young woman holding an umbrella next to a dog.",
@@ -284,16 +284,18 @@ def test_recaption_stage_caches_dedups_filters_and_chooses(
     assert {r["caption_source"] for r in ok.values()} == {"recaption", "original"}
 
     # a second build over the same inputs, sharing the cache: no generation at all, and no
-    # captioner loaded (its weights are away for the run)
+    # captioner loaded (its weights are garbage for the run: preflight sees the file, a
+    # load would fail)
     again = _config(_fresh_out(tmp_path / "b", recaption_raw), taught_blip, tiny_clip, tiny_vq,
                     cache={"path": str(shared_cache)}, grounding={"min_score": -1.0})
     out_b = Path(again["output"]["path"])
     weights = taught_blip / "model.safetensors"
     hidden = weights.rename(tmp_path / "weights.hidden")
+    weights.write_bytes(b"not a safetensors file")
     try:
         run_process(parse_config(again), show_progress=False)
     finally:
-        hidden.rename(weights)
+        hidden.replace(weights)
     second = _rows(out_b)
     assert [r["recaption_origin"] for r in second.values() if r["status"] == "ok"] == [
         "cache"] * len(ok)

@@ -11,8 +11,8 @@ import functools
 import pyarrow as pa
 
 from pairforge.config import BasicFilterConfig
-from pairforge.pipeline.steps import Step, StepResult
 from pairforge.records import Status
+from pairforge.stage import Step, StepResult
 
 
 @functools.cache
@@ -53,6 +53,8 @@ class BasicFilterStep(Step):
     name = "basic"
     requires = ("caption", "original_width", "original_height")
     provides: dict[str, pa.DataType] = {}
+    ends = (Status.TOO_SMALL, Status.BAD_ASPECT, Status.CAPTION_TOO_SHORT,
+            Status.CAPTION_TOO_LONG, Status.CAPTION_LANGUAGE)
 
     def process(self, rows: pa.Table) -> StepResult:
         cfg = self.cfg.process.basic

@@ -8,7 +8,6 @@ of the image embedding and the original caption's text embedding (no logit scale
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import numpy as np
@@ -16,14 +15,9 @@ import pyarrow as pa
 from PIL import Image
 
 from pairforge.config import ClipConfig, ModelPoolConfig, PairforgeConfig
-from pairforge.pipeline.steps import ModelStep, StepResult
-from pairforge.records import Status
-
-
-def model_device(pool: ModelPoolConfig) -> str:
-    import torch
-
-    return "cuda" if pool.num_gpus and torch.cuda.is_available() else "cpu"
+from pairforge.images import decode_rgb, model_device
+from pairforge.records import Status, process_columns
+from pairforge.stage import ModelStep, StepResult
 
 
 class ClipScorer:
@@ -72,17 +66,13 @@ class ClipScorer:
         return (image_emb * text_emb).sum(axis=1), image_emb
 
 
-def decode_rgb(data: bytes) -> Image.Image:
-    image = Image.open(io.BytesIO(data))
-    return image.convert("RGB")
-
-
 class ClipStep(ModelStep):
     """Scores ok rows that have no score yet; filters by the configured threshold."""
 
     name = "clip"
     requires = ("image", "caption")
-    provides = {"clip_score": pa.float32(), "clip_embedding": pa.list_(pa.float32())}
+    provides = process_columns("clip_score", "clip_embedding")
+    ends = (Status.LOW_CLIP_SCORE,)
 
     @classmethod
     def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import json
 import posixpath
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError, InputConfig
-from pairforge.shards.tar import split_member_name
+from pairforge.shards.tar import iter_samples
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 TABLE_FORMATS = ("txt", "csv", "tsv", "json", "jsonl", "parquet")
@@ -146,30 +145,19 @@ def _folder_rows(fs: fsspec.AbstractFileSystem, root: str, cfg: InputConfig) -> 
 
 
 def _tar_rows(fs: fsspec.AbstractFileSystem, path: str, cfg: InputConfig) -> pa.Table:
-    """Samples of an existing WebDataset tar: the image is read back from the tar later."""
-    members: dict[str, dict[str, tarfile.TarInfo]] = {}
-    with fs.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|*") as tar:
-        texts: dict[str, bytes] = {}
-        metas: dict[str, dict] = {}
-        for info in tar:
-            stem, ext = split_member_name(info.name)
-            if not info.isfile() or stem is None:
-                continue
-            ext = ext.lower()
-            members.setdefault(stem, {})[ext] = info
-            if ext == "txt":
-                texts[stem] = tar.extractfile(info).read()
-            elif ext == "json":
-                metas[stem] = json.loads(tar.extractfile(info).read() or b"{}")
+    """Samples of an existing WebDataset tar: the image is read back from the tar later
+    (pipeline/download.py matches ``KEY.EXT`` the way shards/tar.py groups members)."""
     urls, captions, sources = [], [], []
     location = fs.unstrip_protocol(path)
-    for stem, exts in members.items():
-        image_ext = next((e for e in exts if "." + e in IMAGE_EXTENSIONS), None)
-        if image_ext is None:
-            continue
-        urls.append(metas.get(stem, {}).get("url") or f"{location}#{stem}.{image_ext}")
-        captions.append(texts.get(stem))
-        sources.append(f"tar:{location}#{exts[image_ext].name}")
+    with fs.open(path, "rb", compression="infer") as f:
+        for key, files in iter_samples(f):
+            image_ext = next((e for e in files if "." + e in IMAGE_EXTENSIONS), None)
+            if image_ext is None:
+                continue
+            meta = json.loads(files.get("json") or b"{}")
+            urls.append(meta.get("url") or f"{location}#{key}.{image_ext}")
+            captions.append(files.get("txt"))
+            sources.append(f"tar:{location}#{key}.{image_ext}")
     return pa.table({"url": pa.array(urls, pa.string()),
                      "caption": pa.array(captions, pa.binary()),
                      "source": pa.array(sources, pa.string())})

@@ -7,10 +7,9 @@ from collections import Counter
 
 from rich.console import Console, Group
 from rich.live import Live
-from rich.table import Table
 from rich.text import Text
 
-from pairforge.records import STATUS_HELP, Status
+from pairforge.records import Status
 
 console = Console(stderr=True)
 
@@ -26,21 +25,6 @@ class ProgressCounter:
 
     def total(self) -> dict[str, int]:
         return dict(self.counts)
-
-
-def status_table(counts: dict[str, int], title: str) -> Table:
-    total = sum(counts.values())
-    table = Table(title=title, title_justify="left")
-    table.add_column("status")
-    table.add_column("rows", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("meaning", style="dim")
-    ordered = sorted(counts.items(), key=lambda kv: (kv[0] != Status.OK, -kv[1], kv[0]))
-    for status, n in ordered:
-        meaning = STATUS_HELP.get(status, "")  # StrEnum keys hash like their strings
-        table.add_row(status, f"{n:,}", f"{n / total:.1%}" if total else "-", meaning)
-    table.add_row("[b]total[/b]", f"[b]{total:,}[/b]", "", "")
-    return table
 
 
 class StageDisplay:

@@ -76,6 +76,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from pairforge.recaption.words import plural
+
 STRICT_PROMPT_SUFFIX = (
     "Describe only what is visible. Refer to every human only as 'person' or 'people' and "
     "never state or guess anyone's gender, age, race or ethnicity, nationality, religion, "
@@ -162,20 +164,6 @@ class NeutralizeResult:
 
 
 # ---------------------------------------------------------------------------- loading
-
-
-def plural(phrase: str) -> str:
-    """The regular plural of a phrase's last word (woman -> women, lady -> ladies)."""
-    head, _, last = phrase.rpartition(" ")
-    if last.endswith("man"):
-        last = last[:-3] + "men"
-    elif re.search(r"[^aeiou]y$", last):
-        last = last[:-1] + "ies"
-    elif re.search(r"(s|x|z|ch|sh)$", last):
-        last += "es"
-    else:
-        last += "s"
-    return f"{head} {last}".strip()
 
 
 def _lines(text: str) -> Iterator[str]:

@@ -15,22 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
+from pairforge.recaption.words import plural
+
 NOUN_FILE = "objects.txt"
 # people are the attribute filter's business; these words are never grounding nouns
 _PEOPLE = {"person", "people", "persons", "human", "humans"}
-
-
-def plural(noun: str) -> str:
-    head, _, last = noun.rpartition(" ")
-    if re.search(r"(s|x|z|ch|sh)$", last):
-        last += "es"
-    elif re.search(r"[^aeiou]y$", last):
-        last = last[:-1] + "ies"
-    elif last.endswith("fe"):
-        last = last[:-2] + "ves"
-    else:
-        last += "s"
-    return f"{head} {last}".strip()
 
 
 def _parse(lines: Iterable[str]) -> dict[str, str]:

@@ -6,15 +6,16 @@ model, so duplicates within a build are captioned once. A generated caption is c
 (one sentence, no boilerplate), passed through the people-attribute filter and the
 grounding check; if the filter could not rewrite it fluently or CLIP does not support one
 of its object nouns, the model tries once more with a stricter prompt, and if that fails
-too the sample abstains (no recaption). The training caption is then chosen (recaption,
-original or a seeded mix) and recorded as ``caption_source``.
+too the sample abstains (no recaption). The training caption is chosen after this step,
+in recaption/choice.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import hashlib
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -22,30 +23,27 @@ import pyarrow as pa
 from PIL import Image
 
 from pairforge.config import ModelPoolConfig, PairforgeConfig
-from pairforge.filters.clip import ClipScorer, decode_rgb, model_device
-from pairforge.pipeline.steps import ModelStep, StepResult
+from pairforge.filters.clip import ClipScorer
+from pairforge.images import decode_rgb, model_device
 from pairforge.recaption.backends import Captioner, load_captioner
-from pairforge.recaption.cache import CachedCaption, CaptionCache, build_id, cache_dir
+from pairforge.recaption.cache import (
+    CachedCaption,
+    CaptionCache,
+    build_id,
+    cache_dir,
+    write_part,
+)
 from pairforge.recaption.grounding import GroundingChecker, NounLexicon
 from pairforge.recaption.prompts import DEFAULT_PROMPT, STRICT_PROMPT, clean_caption
-from pairforge.recaption.registry import REGISTRY_PREFIX, find_registry
+from pairforge.recaption.registry import REGISTRY_PREFIX, find_registry, start_registry
+from pairforge.records import process_columns
+from pairforge.stage import ModelStep, StepResult
 
 WAIT_FOR_CLAIMANT_S = 600.0
 
 
 def registry_name(cfg: PairforgeConfig) -> str:
     return REGISTRY_PREFIX + build_id(cfg)
-
-
-def training_caption(choice: str, share: float, seed: int, key: str, original: str | None,
-                     recaption: str | None) -> tuple[str | None, str | None]:
-    """(training caption, caption_source); (None, None) when no caption can be trusted."""
-    if choice == "mix":
-        draw = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big")
-        choice = "recaption" if draw / 2**64 < share else "original"
-    if choice == "original":
-        return (original, "original") if original else (None, None)
-    return (recaption, "recaption") if recaption else (None, None)
 
 
 Checked = tuple[str, list[str], list[str]]  # caption, attribute flags, problems
@@ -87,9 +85,7 @@ def recaption_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
 class RecaptionStep(ModelStep):
     name = "recaption"
     requires = ("image", "caption", "pixel_hash", "phash")
-    provides = {"recaption": pa.string(), "recaption_flags": pa.list_(pa.string()),
-                "recaption_origin": pa.string(), "caption_source": pa.string(),
-                "train_caption": pa.string()}
+    provides = process_columns("recaption", "recaption_flags", "recaption_origin")
 
     @classmethod
     def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
@@ -107,8 +103,27 @@ class RecaptionStep(ModelStep):
         self.cache = (CaptionCache.load(cache_dir(cfg), rc.cache.phash_distance)
                       if rc.cache.enabled else CaptionCache())
         self.registry = find_registry(registry_name(cfg))
-        self.choice = cfg.process.training_caption()
-        self.tasks = cfg.process.tasks
+
+    @classmethod
+    @contextlib.contextmanager
+    def build_scope(cls, cfg: PairforgeConfig) -> Iterator[None]:
+        """The build's claim registry lives as long as the stage-3 run."""
+        registry = start_registry(registry_name(cfg))
+        try:
+            yield
+        finally:
+            import ray
+
+            ray.kill(registry)
+
+    @classmethod
+    def finish_shard(cls, cfg: PairforgeConfig, shard_id: int,
+                     rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """Cache the shard's captions (before its stats file: a complete shard's captions
+        are always in the cache) and count what the checks did."""
+        if cfg.process.recaption.cache.enabled:
+            write_part(cfg, shard_id, rows)
+        return recaption_stats(rows)
 
     # The models load on first use: a build whose captions all come from the cache loads none.
 
@@ -204,7 +219,7 @@ class RecaptionStep(ModelStep):
         if made and self.registry is not None:
             self._call(self.registry.publish, {hashes[i]: e for i, e in made.items()})
         self._resolve_followers(rows, [i for i in todo if i not in made], found, first_of)
-        return self._columns(rows, keys, [found[i] for i in range(rows.num_rows)])
+        return self._columns([found[i] for i in range(rows.num_rows)])
 
     def _resolve_followers(self, rows: pa.Table, followers: list[int],
                            found: dict[int, tuple[CachedCaption, str]],
@@ -225,16 +240,10 @@ class RecaptionStep(ModelStep):
                 orphans.append(i)
         found.update((i, (e, "model")) for i, e in self._generate_for(rows, orphans).items())
 
-    def _columns(self, rows: pa.Table, keys: list[str],
-                 results: list[tuple[CachedCaption, str]]) -> StepResult:
-        originals = rows["caption"].to_pylist()
-        chosen = [training_caption(self.choice, self.tasks.recaption_share, self.tasks.seed,
-                                   k, o, e.recaption)
-                  for k, o, (e, _) in zip(keys, originals, results, strict=True)]
+    @staticmethod
+    def _columns(results: list[tuple[CachedCaption, str]]) -> StepResult:
         return StepResult(columns={
             "recaption": [e.recaption for e, _ in results],
             "recaption_flags": [list(e.flags) for e, _ in results],
             "recaption_origin": [origin for _, origin in results],
-            "caption_source": [source for _, source in chosen],
-            "train_caption": [text for text, _ in chosen],
         })

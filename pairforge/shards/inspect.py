@@ -8,8 +8,23 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from pairforge.pipeline.progress import status_table
+from pairforge.records import STATUS_HELP, Status
 from pairforge.shards.storage import OutputDir
+
+
+def status_table(counts: dict[str, int], title: str) -> Table:
+    total = sum(counts.values())
+    table = Table(title=title, title_justify="left")
+    table.add_column("status")
+    table.add_column("rows", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("meaning", style="dim")
+    ordered = sorted(counts.items(), key=lambda kv: (kv[0] != Status.OK, -kv[1], kv[0]))
+    for status, n in ordered:
+        meaning = STATUS_HELP.get(status, "")  # StrEnum keys hash like their strings
+        table.add_row(status, f"{n:,}", f"{n / total:.1%}" if total else "-", meaning)
+    table.add_row("[b]total[/b]", f"[b]{total:,}[/b]", "", "")
+    return table
 
 
 def _budget_table(manifest: dict[str, Any]) -> Table:

@@ -78,8 +78,7 @@ def _sample(row: dict[str, Any], image: tuple[str, bytes | memoryview],
             fields: list[str]) -> dict[str, Any]:
     """The files of one training sample, by extension."""
     ext, data = image
-    text = row["train_caption"] if "train_caption" in row else row.get("caption")
-    sample = {ext: data, "txt": text or "", "json": _sample_json(row, fields)}
+    sample = {ext: data, "txt": row.get("train_caption") or "", "json": _sample_json(row, fields)}
     if row.get("image_tokens") is not None:
         sample["vq.npy"] = _npy(row["image_tokens"], row["token_grid"])
         sample["tok.npy"] = _npy(row["caption_tokens"] or [])

@@ -10,16 +10,16 @@ from __future__ import annotations
 import pyarrow as pa
 
 from pairforge.config import ModelPoolConfig, PairforgeConfig
-from pairforge.filters.clip import decode_rgb, model_device
-from pairforge.pipeline.steps import ModelStep, StepResult
+from pairforge.images import decode_rgb, model_device
+from pairforge.records import process_columns
+from pairforge.stage import ModelStep, StepResult
 
 
 class TokenizeStep(ModelStep):
     name = "tokenize"
-    requires = ("image", "caption")  # the training caption: train_caption when recaptioned
-    provides = {"image_tokens": pa.list_(pa.int32()), "token_grid": pa.list_(pa.int32()),
-                "n_image_tokens": pa.int32(), "caption_tokens": pa.list_(pa.int32()),
-                "n_caption_tokens": pa.int32()}
+    requires = ("image", "train_caption")
+    provides = process_columns("image_tokens", "token_grid", "n_image_tokens",
+                               "caption_tokens", "n_caption_tokens")
 
     @classmethod
     def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
@@ -37,9 +37,8 @@ class TokenizeStep(ModelStep):
     def process(self, rows: pa.Table) -> StepResult:
         images = [decode_rgb(b) for b in rows["image"].to_pylist()]
         grids = self.image_tokenizer.encode(images)
-        column = "train_caption" if "train_caption" in rows.column_names else "caption"
         captions = [self.text_tokenizer.encode(c) if c else [] for c in
-                    rows[column].to_pylist()]
+                    rows["train_caption"].to_pylist()]
         return StepResult(columns={
             "image_tokens": [g.reshape(-1).tolist() for g in grids],
             "token_grid": [list(g.shape) for g in grids],

@@ -1,0 +1,96 @@
+"""Where the stage-3 steps (pairforge/stage.py) run on Ray Data.
+
+Model steps run in actor pools that load their model once per actor; other steps run as
+plain Ray tasks. The frame knows nothing about which models run: a new step is a class
+(on the contract in stage.py) and a config section.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pyarrow as pa
+
+from pairforge.config import PairforgeConfig
+from pairforge.stage import ModelStep, Step
+
+
+def _run_plain_step(step_cls: type[Step], cfg: PairforgeConfig, batch: pa.Table,
+                    drop: tuple[str, ...] = ()) -> pa.Table:
+    step = step_cls(cfg)
+    try:
+        return step(batch, drop)
+    finally:
+        step.teardown()
+
+
+# CPUs left free of actors for the reading, filtering and writing tasks. Actors hold their
+# CPUs for the whole run: if pools took every CPU, no task could run and the stage would
+# hang (Ray's default of one CPU per actor does exactly that on a small machine).
+TASK_CPU_RESERVE = 0.75
+TASK_CPUS = 0.25  # each task of the stage: reading a raw shard, a plain step, writing
+
+
+def fit_actor_cpus(steps: list[type[Step]], cfg: PairforgeConfig,
+                   cluster_cpus: float) -> dict[str, float]:
+    """CPUs per actor for each model step, scaled down so all pools fit beside the tasks."""
+    pools = {s.name: s.pool_config(cfg) for s in steps if issubclass(s, ModelStep)}
+    demand = sum(p.pool_size * p.num_cpus for p in pools.values())
+    budget = max(cluster_cpus - TASK_CPU_RESERVE, 0.05 * demand)
+    scale = min(1.0, budget / demand) if demand else 1.0
+    return {name: round(p.num_cpus * scale, 4) for name, p in pools.items()}
+
+
+def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
+              actor_cpus: dict[str, float], drop_after: tuple[str, ...] = ()) -> Any:
+    """Append the step chain; the last step drops the ``drop_after`` columns (the image:
+    the writer has it, so results travel small). Before the first model step, cut the
+    blocks into batches of the smallest model ``batch_size``. A shard arrives as one
+    block, and one block goes to one actor: cut, it spreads over every actor of a pool,
+    one model call per actor task. The plain steps before it stay fused with the reading
+    task, one task per shard."""
+    if not steps:
+        # Ray asks a whole CPU for this task by default (see _cut_into_blocks)
+        return ds.drop_columns(list(drop_after), num_cpus=TASK_CPUS)
+    batch_sizes = [s.pool_config(cfg).batch_size for s in steps if issubclass(s, ModelStep)]
+    cut = False
+    for i, step in enumerate(steps):
+        if issubclass(step, ModelStep) and not cut:
+            ds = _cut_into_blocks(ds, min(batch_sizes))
+            cut = True
+        ds = add_step(ds, step, cfg, actor_cpus, drop_after if i == len(steps) - 1 else ())
+    return ds
+
+
+def _cut_into_blocks(ds: Any, rows: int) -> Any:
+    ds = ds.repartition(target_num_rows_per_block=rows)
+    # Ray asks one CPU for each repartition task, which the actor pools may all hold: the
+    # stage would hang. At the plain tasks' fraction Ray fuses it into the task before it.
+    # (Ray Data has no public argument for this; ray is pinned, and the pool tests in
+    # tests/test_process_stage.py hang or fail if it stops working.)
+    ds._logical_plan.dag.ray_remote_args["num_cpus"] = TASK_CPUS
+    return ds
+
+
+def add_step(ds: Any, step_cls: type[Step], cfg: PairforgeConfig,
+             actor_cpus: dict[str, float] | None = None, drop: tuple[str, ...] = ()) -> Any:
+    """Append one step to a Ray dataset: an actor pool for models, tasks otherwise. No
+    other operator may follow an actor pool unless it asks for at most ``TASK_CPUS``:
+    Ray's default of one CPU would wait until the pools are gone, at the end of the run."""
+    if issubclass(step_cls, ModelStep):
+        pool = step_cls.pool_config(cfg)
+        num_cpus = (actor_cpus or {}).get(step_cls.name, pool.num_cpus)
+        extra: dict[str, Any] = {}
+        if pool.num_gpus:
+            extra["num_gpus"] = pool.num_gpus
+        if pool.resources:
+            extra["resources"] = pool.resources
+        from ray.data import ActorPoolStrategy
+
+        return ds.map_batches(step_cls, fn_constructor_args=(cfg,), batch_size=pool.batch_size,
+                              batch_format="pyarrow", fn_kwargs={"drop": drop},
+                              compute=ActorPoolStrategy(size=pool.pool_size),
+                              num_cpus=num_cpus, **extra)
+    return ds.map_batches(functools.partial(_run_plain_step, step_cls, cfg), batch_size=None,
+                          batch_format="pyarrow", fn_kwargs={"drop": drop}, num_cpus=TASK_CPUS)

@@ -1,0 +1,73 @@
+"""Stage 3, planning: which raw shards to process, how many rows each must return, and
+each shard's own duplicates. Reads stats files and the dedup table, never a raw shard.
+
+CLIP's ``top_fraction`` mode needs the score distribution over the whole dataset first:
+its threshold is the quantile of the scores a first pass cached in ``OUT/clip``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from pairforge.config import PairforgeConfig
+from pairforge.records import Status, index_digits, shard_of_key
+from pairforge.shards.raw import completed_shards, stats_name
+from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, SCORES_FOLDER, OutputDir
+
+Duplicates = dict[str, tuple[str, str]]  # key -> (status, kept key)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    shard_id: int
+    to_process: int  # rows the steps must return before the shard can be written
+    duplicates: Duplicates = field(default_factory=dict)  # this shard's rows only
+
+
+def read_duplicates(out: OutputDir, cfg: PairforgeConfig) -> dict[int, Duplicates]:
+    """The dedup decisions, grouped by the shard their key belongs to."""
+    if not cfg.dedup.enabled:
+        return {}
+    if not out.exists(DEDUP_FOLDER, "dedup_stats.json"):
+        raise RuntimeError("dedup is enabled but OUT/dedup is not complete: run "
+                           "`pairforge dedup` (or `build`) first, or set dedup.enabled=false")
+    with out.fs.open(out.path(DEDUP_FOLDER, "duplicates.parquet"), "rb") as f:
+        table = pq.read_table(f, columns=["key", "kind", "kept_key"])
+    digits = index_digits(cfg.input.shard_size)
+    by_shard: dict[int, Duplicates] = defaultdict(dict)
+    for key, kind, kept in zip(table["key"].to_pylist(), table["kind"].to_pylist(),
+                               table["kept_key"].to_pylist(), strict=True):
+        by_shard[shard_of_key(key, digits)][key] = (kind, kept)
+    return dict(by_shard)
+
+
+def plan_shards(out: OutputDir, cfg: PairforgeConfig, folder: str) -> list[ShardPlan]:
+    """Complete raw shards not yet complete in ``folder``, with the rows to process: the
+    raw shard's ok rows (from its stats file) less its duplicates (all of them ok rows)."""
+    duplicates = read_duplicates(out, cfg)
+    pending = sorted(completed_shards(out, RAW_FOLDER) - completed_shards(out, folder))
+    plans = []
+    for shard_id in pending:
+        ok = out.read_json(RAW_FOLDER, stats_name(shard_id))["status"].get(Status.OK, 0)
+        dups = duplicates.get(shard_id, {})
+        plans.append(ShardPlan(shard_id, ok - len(dups), dups))
+    return plans
+
+
+def score_threshold(out: OutputDir, top_fraction: float) -> float:
+    """The score that keeps ``top_fraction`` of all scored rows (DataComp's top 30%)."""
+    scores = []
+    for name in out.glob(f"{SCORES_FOLDER}/*.parquet"):
+        with out.fs.open(out.path(SCORES_FOLDER, name), "rb") as f:
+            column = pq.read_table(f, columns=["clip_score"])["clip_score"]
+        scores.append(column.drop_null().to_numpy())
+    values = np.concatenate(scores) if scores else np.array([], np.float32)
+    if not len(values):
+        return float("-inf")
+    # Keep the k highest scores; ties at the boundary are all kept.
+    k = max(1, int(round(top_fraction * len(values))))
+    return float(np.sort(values)[::-1][k - 1])

@@ -1,0 +1,115 @@
+"""Stage 3, streaming: raw rows through the step chain on Ray Data, each finished shard
+handed to a writer task.
+
+Rows to process (ok after download and dedup) stream from the raw shards through the
+steps with Ray Data's backpressure; model steps are actor pools. Only small result columns
+come back to the driver (never images): the writer task re-reads the images from the raw
+tar, so results do not cross the cluster twice.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pairforge.config import PairforgeConfig
+from pairforge.pipeline.placement import TASK_CPUS, add_steps, fit_actor_cpus
+from pairforge.pipeline.plan import ShardPlan
+from pairforge.pipeline.progress import StageDisplay
+from pairforge.records import STEP_INPUT_COLUMNS, Status
+from pairforge.shards.raw import shard_name
+from pairforge.shards.storage import RAW_FOLDER, SCORES_FOLDER, OutputDir
+from pairforge.shards.training import read_raw_images
+from pairforge.stage import Step
+
+# (config, plan, the steps' results for the shard, stats for every shard, the step chain)
+Writer = Callable[[PairforgeConfig, ShardPlan, pa.Table, dict[str, Any], list[type[Step]]],
+                  dict[str, Any]]
+
+
+def read_raw(out: OutputDir, shard_id: int, columns: list[str] | None = None) -> pa.Table:
+    with out.fs.open(out.path(RAW_FOLDER, f"{shard_name(shard_id)}.parquet"), "rb") as f:
+        return pq.read_table(f, columns=columns)
+
+
+def _cached_scores(out: OutputDir, shard_id: int) -> pa.Table | None:
+    if not out.exists(SCORES_FOLDER, f"{shard_name(shard_id)}.parquet"):
+        return None
+    with out.fs.open(out.path(SCORES_FOLDER, f"{shard_name(shard_id)}.parquet"), "rb") as f:
+        return pq.read_table(f, columns=["key", "clip_score"])
+
+
+def load_rows(batch: pa.Table, out_url: str, storage_options: dict) -> pa.Table:
+    """Ray Data map: (shard id, its duplicate keys) in, the rows the steps must process out
+    (with images). Each shard's parquet and tar are read once here."""
+    out = OutputDir(out_url, storage_options)
+    tables = []
+    for shard_id, duplicates in zip(batch["shard"].to_pylist(),
+                                    batch["duplicates"].to_pylist(), strict=True):
+        raw = read_raw(out, shard_id, STEP_INPUT_COLUMNS)
+        skip = set(duplicates)
+        keep = [s == Status.OK and k not in skip for k, s in zip(
+            raw["key"].to_pylist(), raw["status"].to_pylist(), strict=True)]
+        rows = raw.filter(pa.array(keep, pa.bool_()))
+        images = read_raw_images(out, shard_id, set(rows["key"].to_pylist()))
+        rows = rows.append_column("image", pa.array(
+            [images[k][1] for k in rows["key"].to_pylist()], pa.binary()))
+        rows = rows.append_column("shard", pa.array([shard_id] * rows.num_rows, pa.int32()))
+        scores = _cached_scores(out, shard_id)
+        if scores is not None:
+            lookup = dict(zip(scores["key"].to_pylist(), scores["clip_score"].to_pylist(),
+                              strict=True))
+            rows = rows.append_column("clip_score", pa.array(
+                [lookup.get(k) for k in rows["key"].to_pylist()], pa.float32()))
+        tables.append(rows)
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
+                  steps: list[type[Step]], writer: Writer, stats_extra: dict[str, Any],
+                  display: StageDisplay | None) -> None:
+    """Run the step chain over the planned shards, handing each full shard to ``writer``."""
+    import ray
+
+    write = ray.remote(num_cpus=TASK_CPUS, max_retries=cfg.ray.max_task_retries)(writer)
+    by_id = {p.shard_id: p for p in plans}
+    buffers: dict[int, list[pa.Table]] = defaultdict(list)
+    received: Counter = Counter()
+    counts: Counter = Counter()
+    writes: list = []
+    already_done = (display.shards_done if display else 0)
+
+    def finish(shard_id: int) -> None:
+        parts = buffers.pop(shard_id, [])
+        results = (pa.concat_tables(parts, promote_options="permissive") if parts
+                   else pa.table({"key": pa.array([], pa.string())}))
+        writes.append(write.remote(cfg, by_id[shard_id], results, stats_extra, steps))
+
+    for plan in plans:
+        if plan.to_process == 0:
+            finish(plan.shard_id)
+    todo = [p for p in plans if p.to_process]
+    if todo:
+        # each reading task gets its own shard's duplicates, not the whole table
+        ds = ray.data.from_items([{"shard": p.shard_id, "duplicates": sorted(p.duplicates)}
+                                  for p in todo], override_num_blocks=len(todo))
+        ds = ds.map_batches(load_rows, batch_size=1, batch_format="pyarrow", num_cpus=TASK_CPUS,
+                            fn_args=(out.url, cfg.output.storage_options))
+        actor_cpus = fit_actor_cpus(steps, cfg, ray.cluster_resources().get("CPU", 1.0))
+        ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=("image",))
+        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            for shard_id in pc.unique(batch["shard"]).to_pylist():
+                part = batch.filter(pc.equal(batch["shard"], shard_id)).drop_columns(["shard"])
+                buffers[shard_id].append(part)
+                received[shard_id] += part.num_rows
+                counts.update(part["status"].to_pylist())
+                if received[shard_id] == by_id[shard_id].to_process:
+                    finish(shard_id)
+            if display:
+                display.update(dict(counts), already_done + len(writes))
+    ray.get(writes)

@@ -1,0 +1,56 @@
+"""Stage 3, writing: one task per finished shard joins the raw rows, the dedup decisions
+and the steps' results, and writes the training shard (or, in CLIP's scoring pass, the
+score file). The stats file is written last: it marks the shard complete.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pairforge.config import PairforgeConfig
+from pairforge.pipeline.plan import ShardPlan
+from pairforge.pipeline.stream import read_raw
+from pairforge.records import SAMPLE_FIELDS, TOKEN_FIELDS, process_fields
+from pairforge.shards.raw import shard_name
+from pairforge.shards.storage import SCORES_FOLDER, OutputDir
+from pairforge.shards.training import final_rows, write_embeddings, write_training_shard
+from pairforge.stage import Step
+
+
+def provided_columns(steps: list[type[Step]]) -> dict[str, pa.DataType]:
+    """The columns the chain adds, in chain order, with their types."""
+    return {name: dtype for step in steps for name, dtype in step.provides.items()}
+
+
+def write_shard_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
+                     stats_extra: dict[str, Any], steps: list[type[Step]]) -> dict[str, Any]:
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
+    raw = read_raw(out, plan.shard_id)
+    rows = final_rows(raw, plan.duplicates, results)
+    stats = dict(stats_extra)
+    for step in steps:
+        step_stats = step.finish_shard(cfg, plan.shard_id, rows)
+        if step_stats is not None:
+            stats[step.name] = step_stats
+    schema = pa.schema([*raw.schema, *process_fields(provided_columns(steps))])
+    meta = SAMPLE_FIELDS + (TOKEN_FIELDS if "n_image_tokens" in schema.names else [])
+    return write_training_shard(out, plan.shard_id, rows, schema, meta, stats,
+                                cfg.process.tasks)
+
+
+def write_scores_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
+                      stats_extra: dict[str, Any], steps: list[type[Step]]) -> dict[str, Any]:
+    """CLIP's scoring pass: the scores (and embeddings) of a shard, no training shard."""
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
+    out.makedirs(SCORES_FOLDER)
+    table = results.select(["key", "status", "clip_score"])
+    if "clip_embedding" in results.column_names:
+        write_embeddings(out, plan.shard_id, table["key"].to_pylist(),
+                         results["clip_embedding"].to_pylist())
+    # The score file is the completion marker of this pass, so it is written last.
+    with out.open_atomic(SCORES_FOLDER, f"{shard_name(plan.shard_id)}.parquet") as f:
+        pq.write_table(table, f)
+    return {"shard": plan.shard_id, "count": table.num_rows}
