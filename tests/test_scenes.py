@@ -59,7 +59,7 @@ def test_both_counts_occur_and_render_is_square():
 
 @pytest.mark.parametrize("side", [32, 64])
 def test_judge_reads_ground_truth_renders(side):
-    held = scenes(600, "heldout")
+    held = scenes(300, "heldout")
     result = score([s.attributes() for s in held], [render(s, side) for s in held])
     assert result["all"] >= 0.98, result
 

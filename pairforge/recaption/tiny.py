@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Literal
 
 Arch = Literal["blip", "git", "idefics3"]
-Size = Literal["tiny", "base"]
+Size = Literal["tiny", "small", "base"]
 SPECIALS = {"pad_token": "[PAD]", "bos_token": "[BOS]", "eos_token": "[EOS]",
             "unk_token": "[UNK]", "mask_token": "[MASK]"}
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+# "small" BLIP: the scene world's captioner (pairforge/scenes/captioner.py), ~1 MB
+SMALL = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
 
 
 def train_tokenizer(captions: Iterable[str], vocab_size: int = 512):  # noqa: ANN201
@@ -49,13 +51,17 @@ def _blip(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
         BlipProcessor,
     )
 
-    tiny = size == "tiny"
-    vision = dict(TINY, image_size=resolution, patch_size=8, projection_dim=32) if tiny else {
-        "image_size": resolution}
+    tiny = size in ("tiny", "small")
+    dims = TINY if size == "tiny" else SMALL
+    vision = dict(dims, image_size=resolution, patch_size=8, projection_dim=32) if tiny \
+        else {"image_size": resolution}
+    if size == "small":  # BLIP's default 1e-10 starts position embeddings at zero: no "where"
+        vision["initializer_range"] = 0.02
     text = dict(vocab_size=len(tokenizer), sep_token_id=tokenizer.eos_token_id,
                 **_token_ids(tokenizer))
     if tiny:
-        text.update(TINY, encoder_hidden_size=32, projection_dim=32, max_position_embeddings=96)
+        text.update(dims, encoder_hidden_size=dims["hidden_size"], projection_dim=32,
+                    max_position_embeddings=96)
     model = BlipForConditionalGeneration(BlipConfig(text_config=text, vision_config=vision,
                                                     **({"projection_dim": 32} if tiny else {})))
     images = BlipImageProcessor(size={"height": resolution, "width": resolution})
@@ -65,6 +71,8 @@ def _blip(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
 def _git(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
     from transformers import CLIPImageProcessor, GitConfig, GitForCausalLM, GitProcessor
 
+    if size == "small":
+        raise ValueError("git: size small is BLIP only; use tiny or base")
     if size == "tiny":
         vision = dict(TINY, image_size=resolution, patch_size=8, projection_dim=32)
         config = GitConfig(vision_config=vision, vocab_size=len(tokenizer),
@@ -117,11 +125,12 @@ def _idefics3(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
 def save_tiny_captioner(arch: Arch, out_dir: str | Path, captions: Iterable[str],
                         resolution: int = 32, seed: int = 0, size: Size = "tiny") -> Path:
     """A random-weight ``arch`` captioner with a tokenizer trained on ``captions``;
-    ``size="base"`` builds the published base architecture (for benchmarks)."""
+    ``size="base"`` builds the published base architecture (for benchmarks); ``small``
+    (BLIP only) is the scene world's captioner."""
     import torch
 
     torch.manual_seed(seed)
-    tokenizer = train_tokenizer(captions, vocab_size=512 if size == "tiny" else 8192)
+    tokenizer = train_tokenizer(captions, vocab_size=8192 if size == "base" else 512)
     build = {"blip": _blip, "git": _git, "idefics3": _idefics3}[arch]
     model, processor = build(tokenizer, resolution, size)
     out = Path(out_dir)
