@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 
 from pairforge.tokenizers.vocab import VocabLayout
@@ -73,6 +74,39 @@ def _top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+class _Cached:
+    """Incremental decoding for :class:`Transformer`: each block's keys and values are kept,
+    so a new token costs one position instead of the whole context (same arithmetic as
+    ``Transformer.forward``; tests compare both)."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(model.blocks)
+        self.length = 0
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of the last position after appending ``tokens`` (B, t)."""
+        m, (b, t) = self.model, tokens.shape
+        if self.length + t > m.cfg.max_seq_len:
+            raise ValueError(f"sequence of {self.length + t} tokens exceeds model.max_seq_len "
+                             f"{m.cfg.max_seq_len}")
+        x = m.embed(tokens) + m.pos(torch.arange(self.length, self.length + t))
+        first = self.length == 0
+        for i, block in enumerate(m.blocks):
+            d = x.shape[-1]
+            q, k, v = (z.transpose(1, 2) for z in block.qkv(block.norm1(x)).view(
+                b, t, 3, block.n_heads, d // block.n_heads).unbind(2))
+            if not first:
+                k, v = torch.cat([self.kv[i][0], k], 2), torch.cat([self.kv[i][1], v], 2)
+            self.kv[i] = (k, v)
+            # the prefix attends causally; a later token attends to everything before it
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=first and t > 1)
+            x = x + block.proj(attn.transpose(1, 2).reshape(b, t, d))
+            x = x + block.mlp(block.norm2(x))
+        self.length += t
+        return (m.norm(x[:, -1]) @ m.embed.weight.T).float()
+
+
 @torch.no_grad()
 def generate_image_codes_batch(model: Transformer, layout: VocabLayout,
                                captions: list[list[int]], n_tokens: int, cfg_scale: float = 3.0,
@@ -81,7 +115,8 @@ def generate_image_codes_batch(model: Transformer, layout: VocabLayout,
     """:func:`generate_image_codes` for many captions at once, in input order.
 
     Captions of one token length run as one batch (no padding: positions stay exactly those
-    of training); the unconditional rows are shared by the whole batch's context shape.
+    of training), with cached keys and values for both the conditional and the
+    unconditional context.
     """
     out: list[np.ndarray | None] = [None] * len(captions)
     by_length: dict[int, list[int]] = {}
@@ -89,16 +124,21 @@ def generate_image_codes_batch(model: Transformer, layout: VocabLayout,
         by_length.setdefault(len(caption), []).append(i)
     lo, hi = layout.image_offset, layout.sov
     for rows in by_length.values():
-        cond = torch.tensor([[layout.eos, *captions[i], layout.sov] for i in rows])
-        uncond = torch.tensor([[layout.eos, layout.sov]] * len(rows))
+        cond, uncond = _Cached(model), _Cached(model)
+        c = cond(torch.tensor([[layout.eos, *captions[i], layout.sov] for i in rows]))
+        u = uncond(torch.tensor([[layout.eos, layout.sov]] * len(rows)))
+        drawn = []
         for _ in range(n_tokens):
-            c = model(cond)[:, -1, lo:hi].float()
-            u = model(uncond)[:, -1, lo:hi].float() if cfg_scale != 1.0 else c
+            c, u = c[:, lo:hi], u[:, lo:hi] if cfg_scale != 1.0 else c[:, lo:hi]
             logits = _top_k((u + cfg_scale * (c - u)) / max(temperature, 1e-6), top_k)
             codes = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator) + lo
-            cond, uncond = torch.cat([cond, codes], 1), torch.cat([uncond, codes], 1)
+            drawn.append(codes)
+            if len(drawn) < n_tokens:
+                c = cond(codes)
+                u = uncond(codes) if cfg_scale != 1.0 else c
+        grid = torch.cat(drawn, 1) - lo
         for row, i in enumerate(rows):
-            out[i] = uncond[row, 2:].numpy().astype(np.int64) - lo
+            out[i] = grid[row].numpy().astype(np.int64)
     return [o for o in out if o is not None]
 
 
@@ -109,22 +149,22 @@ def caption_codes_batch(model: Transformer, layout: VocabLayout, codes: list[np.
     images = [layout.image_ids(np.asarray(c).reshape(-1)).tolist() for c in codes]
     if len({len(i) for i in images}) > 1:
         raise ValueError("caption_codes_batch needs images with the same number of codes")
-    context = torch.tensor([[layout.eos, layout.sov, *i, layout.eov] for i in images])
+    cached = _Cached(model)
+    logits = cached(torch.tensor([[layout.eos, layout.sov, *i, layout.eov] for i in images]))
     allowed = torch.full((layout.total_size,), float("-inf"))
     allowed[:layout.text_vocab_size] = 0
     allowed[layout.eos] = 0
     done = torch.zeros(len(images), dtype=torch.bool)
-    room = model.cfg.max_seq_len - context.shape[1]
-    for _ in range(min(max_tokens, room)):
-        token = torch.argmax(model(context)[:, -1].float() + allowed, -1)
-        token = token.masked_fill(done, layout.eos)
+    out: list[list[int]] = [[] for _ in images]
+    room = model.cfg.max_seq_len - cached.length
+    for step in range(min(max_tokens, room)):
+        token = torch.argmax(logits + allowed, -1).masked_fill(done, layout.eos)
         done |= token == layout.eos
-        context = torch.cat([context, token[:, None]], 1)
-        if bool(done.all()):
+        for row in torch.nonzero(~done).flatten().tolist():
+            out[row].append(int(token[row]))
+        if bool(done.all()) or step == min(max_tokens, room) - 1:
             break
-    out = []
-    for row in context[:, len(images[0]) + 3:].tolist():
-        out.append(row[:row.index(layout.eos)] if layout.eos in row else row)
+        logits = cached(token[:, None])
     return out
 
 
