@@ -25,6 +25,9 @@ ConfigArg = Annotated[Path, typer.Argument(help="YAML config file", exists=False
 SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", help="override a config key, e.g. --set download.threads=64 (repeatable)")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no live progress display")]
+ForceOpt = Annotated[bool, typer.Option(
+    "--force", help="redo complete shards made under other settings (without it such a "
+    "rerun stops before any work and names what changed)")]
 
 
 def _user_error(err: Exception) -> typer.Exit:
@@ -66,13 +69,14 @@ def _preflight(cfg: PairforgeConfig, stage: str) -> None:
 
 
 @app.command()
-def download(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> None:
+def download(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
+             force: ForceOpt = False) -> None:
     """Stage 1: fetch, verify, resize and hash every input row into raw shards."""
     from pairforge.pipeline.runner import run_download
 
     cfg = _load(config, set_)
     _preflight(cfg, "download")
-    _print_stage("download", _run_guarded(run_download, cfg, not quiet))
+    _print_stage("download", _run_guarded(run_download, cfg, not quiet, force))
 
 
 def _print_dedup(stats: dict[str, Any]) -> None:
@@ -100,26 +104,33 @@ def dedup(config: ConfigArg, set_: SetOpt = None,
 
 
 @app.command()
-def process(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> None:
+def process(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
+            force: ForceOpt = False) -> None:
     """Stage 3: filters and model steps over the raw shards into training shards."""
     from pairforge.pipeline.process import run_process
 
     cfg = _load(config, set_)
     _preflight(cfg, "process")
-    _print_stage("process", _run_guarded(run_process, cfg, not quiet))
+    _print_stage("process", _run_guarded(run_process, cfg, not quiet, force))
 
 
 @app.command()
-def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False) -> None:
+def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
+          force: ForceOpt = False) -> None:
     """Run every stage in order; complete shards of earlier runs are skipped."""
     from pairforge.pipeline.process import run_process
     from pairforge.pipeline.runner import run_dedup_stage, run_download
 
     cfg = _load(config, set_)
     _preflight(cfg, "build")  # before hours of downloading, not after
-    _print_stage("download", _run_guarded(run_download, cfg, not quiet))
+    from pairforge.pipeline.settings import check_settings
+
+    # every stage's complete shards are checked now: a stage-3 change stops the build
+    # before stage 1, not after it
+    _run_guarded(check_settings, cfg, ("download", "process"), force)
+    _print_stage("download", _run_guarded(run_download, cfg, not quiet, force))
     _print_dedup(_run_guarded(run_dedup_stage, cfg))
-    _print_stage("process", _run_guarded(run_process, cfg, not quiet))
+    _print_stage("process", _run_guarded(run_process, cfg, not quiet, force))
     out = cfg.output.path
     console.print(f"training shards: [b]{out}/shards/[/b], manifest: [b]{out}/manifest.json[/b]")
     console.print(f"next: [b]pairforge inspect[/b] {out}   [b]pairforge show[/b] {out} -o sheet.png"
@@ -148,7 +159,10 @@ def show(path: PathArg,
     """A contact sheet: image, VQ reconstruction, task, CLIP score and caption."""
     from pairforge.shards.show import show as make_sheet
 
-    shown = _run_guarded(make_sheet, path, output, task, grep, n)
+    notes: list[str] = []
+    shown = _run_guarded(make_sheet, path, output, task, grep, n, None, notes)
+    for note in notes:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}", soft_wrap=True)
     if not shown:
         console.print("[yellow]no sample matches[/yellow]")
         raise typer.Exit(1)
@@ -180,6 +194,27 @@ def verify(path: PathArg) -> None:
         console.print(f"[red]{len(problems)} problem(s)[/red]")
         raise typer.Exit(1)
     console.print("[green]✓[/green] every shard matches manifest.json")
+
+
+@app.command("eval")
+def eval_run(
+    run: Annotated[str, typer.Argument(help="training run folder (or its checkpoint.pt)")],
+    output: Annotated[Path, typer.Option("--json", "-o", help="JSON to write")]
+    = Path("eval.json"),
+    prompts: Annotated[int, typer.Option(help="held-out prompts to draw")] = 200,
+    captions: Annotated[int, typer.Option(help="held-out images to caption")] = 200,
+    cfg_scale: Annotated[float, typer.Option(help="classifier-free guidance scale")] = 3.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    sheet: Annotated[Path | None, typer.Option(help="PNG of the first drawings")] = None,
+) -> None:
+    """Scene world: prompt adherence of a run's CFG drawings (judged) and the accuracy of
+    its greedy captions, on held-out scenes (pairforge/scenes)."""
+    from pairforge.scenes.evaluate import evaluate_run, table, write_json
+
+    result = evaluate_run(run, prompts, captions, cfg_scale, seed=seed, sheet=sheet)
+    typer.echo(table(result))
+    write_json(result, output)
+    typer.echo(f"→ {output}")
 
 
 def main() -> None:
