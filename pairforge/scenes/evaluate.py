@@ -1,7 +1,8 @@
 """Measure a trained run on the scene world: prompt adherence and caption accuracy.
 
 Adherence: the run draws each held-out prompt (the world's exact captions of held-out
-scenes, never trained on) with classifier-free guidance; the drawing goes through the
+scenes, never trained on, written as sentences like cleaned recaptions and alt-text) with
+classifier-free guidance; the drawing goes through the
 dataset's VQ decoder and the judge reads it back; a drawing adheres when the judged
 attributes equal the prompt's (per attribute and all together). Caption accuracy: the run
 captions the VQ codes of held-out renders greedily (i2t); a caption is right when it parses
@@ -53,7 +54,7 @@ def adherence(model: Any, layout: Any, text: Any, image: Any, prompts: list[Scen
     drawn = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        codes = generate_image_codes_batch(model, layout, [text.encode(p.caption) for p in chunk],
+        codes = generate_image_codes_batch(model, layout, [text.encode(p.sentence) for p in chunk],
                                            grid[0] * grid[1], cfg_scale, temperature, top_k,
                                            generator)
         drawn += image.decode([c.reshape(grid).astype(np.int32) for c in codes])

@@ -75,9 +75,21 @@ class Scene:
         first, second = self.things
         return f"a {first.words()} {RELATION_WORDS[self.where]} a {second.words()} {bg}"
 
+    @property
+    def sentence(self) -> str:
+        """The caption as a sentence ("A large red circle ... background."): the form web
+        alt-text and the recaption step's cleaning (recaption/prompts.clean_caption) take,
+        so the training text of every arm and the evaluation prompts share one form."""
+        return sentence(self.caption)
+
     def attributes(self) -> Scene:
         """The scene without its drawing positions: what captions and judges compare."""
         return Scene(self.things, self.where, self.background)
+
+
+def sentence(caption: str) -> str:
+    """A caption of the world's grammar written as a sentence: capital first, full stop."""
+    return caption[:1].upper() + caption[1:] + ("" if caption.endswith(".") else ".")
 
 
 def caption_split(caption: str) -> Split:
