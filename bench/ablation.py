@@ -1,0 +1,355 @@
+"""Proof that the shards matter: the caption and recipe ablations through the real pipeline.
+
+The scene world (pairforge/scenes) is served over loopback HTTP (127.0.0.1 only) with web
+alt-text (a share of captions wrong, plus junk); `pairforge build` downloads, dedups,
+recaptions with the world's captioner (pairforge/sample/captioner), tokenizes with the
+world's VQ (pairforge/sample/vq32) and a BPE trained on the world's captions, and labels
+t2i/i2t; `pairforge train` trains the same small model per arm; each run then draws the
+held-out prompts with classifier-free guidance and captions held-out images, and the judge
+scores both (pairforge/scenes/evaluate.py, the code behind `pairforge eval`).
+
+Arms, all on the same images and image-token budget:
+  captions  noisy alt-text (tasks.caption original) / recaptioned / oracle (exact captions)
+  recipe    replacement vs baseline at p_drop 0.3 (and 0.1), mixed vs staged
+  plot      adherence against the alt-text corruption share 0, 0.25, 0.5, 0.75
+
+    python bench/ablation.py --quick --json /tmp/ablation.json   # one seed, caption arms
+    python bench/ablation.py --json /tmp/ablation.json           # every arm, 3 seeds, plot
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "pairforge" / "sample"
+PLOT = Path(__file__).resolve().parent / "ablation_corruption.png"
+SIDE = 32
+LOSSES = ("L_I|T", "L_I|0", "L_T|I", "L_T")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _cli(*args: str) -> str:
+    run = subprocess.run([sys.executable, "-m", "pairforge.cli", *args], capture_output=True,
+                         text=True)
+    if run.returncode:
+        raise SystemExit(f"pairforge {' '.join(args)} failed:\n{run.stdout}\n{run.stderr}")
+    return run.stdout
+
+
+# ---------------------------------------------------------------------------- the world
+def write_site(work: Path, n_train: int, n_held: int) -> tuple[list, list]:
+    """Render the training and held-out scenes as PNGs under work/site/img."""
+    from pairforge.scenes.world import render, scenes
+
+    train, held = scenes(n_train, "train"), scenes(n_held, "heldout")
+    folder = work / "site" / "img"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, group in (("t", train), ("h", held)):
+        for i, s in enumerate(group):
+            path = folder / f"{name}{i:05d}.png"
+            if not path.exists():
+                render(s, SIDE).save(path)
+    return train, held
+
+
+def write_input(work: Path, base_url: str, train: list, held: list, share: float) -> Path:
+    """url,caption rows: training scenes with alt-text at ``share`` corruption, then the
+    held-out scenes (exact captions; they fill the last shard, held out by the trainer)."""
+    from pairforge.scenes.corrupt import corrupt
+    from pairforge.scenes.world import sentence
+
+    path = work / f"input_share{share}.csv"
+    noisy = corrupt(train, share=share, junk=min(0.02, share), seed=0)
+    # captions as sentences, the form recaptions take after cleaning: one text form in all arms
+    texts = [text if kind == "junk" else sentence(text) for text, kind in noisy]
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["url", "caption"])
+        out.writerows([f"{base_url}/img/t{i:05d}.png", text] for i, text in enumerate(texts))
+        out.writerows([f"{base_url}/img/h{i:05d}.png", s.sentence] for i, s in enumerate(held))
+    return path
+
+
+def train_text_tokenizer(work: Path, train: list) -> Path:
+    from pairforge.tokenizers.text import train_bpe
+
+    out = work / "text"
+    if not (out / "tokenizer.json").exists():
+        train_bpe([s.sentence for s in train], out, vocab_size=400, min_frequency=2)
+    return out
+
+
+# ---------------------------------------------------------------------------- builds
+def build(work: Path, name: str, table: Path, recaption: bool, p_drop: float,
+          shard_size: int, text: Path) -> tuple[Path, float]:
+    out = work / "builds" / name
+    if (out / "manifest.json").exists():
+        return out, 0.0
+    config = {
+        "input": {"path": str(table), "format": "csv", "shard_size": shard_size},
+        "output": {"path": str(out)},
+        "ray": {"num_cpus": 2},
+        # phash near-duplicates are colour-blind: scenes that differ only in colour share a
+        # hash, and dedup removed 31 % of distinct scenes (RESULTS.md); off for the ablation
+        "dedup": {"enabled": False},
+        "download": {"threads": 8, "timeout": 10, "allow_addresses": ["127.0.0.1/32"],
+                     "image": {"resize_mode": "keep_ratio", "image_size": SIDE,
+                               "encode_format": "png"}},
+        "process": {
+            # keep every row: arms must train on the same images (junk alt-text included)
+            "basic": {"min_image_side": SIDE, "min_caption_words": 0, "min_caption_chars": 0},
+            "recaption": {"enabled": recaption, "model": str(SAMPLE / "captioner"),
+                          "batch_size": 64, "max_new_tokens": 24, "prompt_mode": "none",
+                          "grounding": {"enabled": False},
+                          "cache": {"path": str(work / "recaption_cache")}},
+            "tokenize": {"enabled": True, "batch_size": 64,
+                         "image": {"backend": "pairforge-vq", "path_or_id": str(SAMPLE / "vq32")},
+                         "text": {"backend": "hf", "path_or_id": str(text)}},
+            "tasks": {"p_drop": p_drop, "caption": "recaption" if recaption else "original"}}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out.parent / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    started = time.perf_counter()
+    _cli("build", str(out.parent / f"{name}.yaml"), "-q")
+    return out, time.perf_counter() - started
+
+
+def caption_quality(out: Path, train: list) -> dict[str, Any]:
+    """Rows kept, and the share of training captions stating their scene exactly."""
+    import pyarrow.parquet as pq
+
+    from pairforge.scenes.world import parse_caption
+
+    rows = [r for f in sorted((out / "shards").glob("*.parquet"))
+            for r in pq.read_table(f).to_pylist()]
+    ok = [r for r in rows if r["status"] == "ok" and "/img/t" in r["url"]]
+    right = 0
+    for r in ok:
+        text = r["recaption"] if r.get("caption_source") == "recaption" else r["caption"]
+        truth = train[int(r["url"].rsplit("/t", 1)[1][:5])]
+        right += parse_caption(text or "") == truth.attributes()
+    return {"rows": len(rows), "ok_train_rows": len(ok),
+            "training_caption_exact": right / max(1, len(ok))}
+
+
+# ---------------------------------------------------------------------------- runs
+def train_run(work: Path, shards: Path, name: str, recipe: str, schedule: str, seed: int,
+              args: argparse.Namespace) -> dict[str, Any]:
+    out = work / "runs" / f"{name}-s{seed}"
+    if not (out / "report.json").exists():
+        cfg = {"data": {"path": str(shards), "heldout_shards": 1, "shuffle_buffer": 256,
+                        "bucket_batches": 4},
+               "model": {"d_model": args.d_model, "n_layers": args.layers, "n_heads": 4,
+                         "max_seq_len": 128},
+               "optim": {"lr": args.lr, "warmup_steps": 30, "weight_decay": 0.05},
+               "run": {"out": str(out), "steps": args.steps, "batch_size": args.batch_size,
+                       "seed": seed, "recipe": recipe, "schedule": schedule,
+                       "log_every": 100, "resume": False, "threads": args.threads}}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train.yaml").write_text(yaml.safe_dump(cfg))
+        _cli("train", str(out / "train.yaml"))
+    report = json.loads((out / "report.json").read_text())
+    return {"run": str(out), "report": report}
+
+
+def measure(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from pairforge.scenes.evaluate import evaluate_run
+
+    result = evaluate_run(run["run"], prompts=args.prompts, captions=args.prompts,
+                          cfg_scale=args.cfg_scale, seed=0,
+                          sheet=Path(run["run"]) / "adherence.png")
+    held = run["report"]["final"]["heldout"]
+    a, c = result["adherence"], result["caption_accuracy"]
+    return {**{k: held[k] for k in LOSSES}, "adherence": a["all"],
+            "adherence_colour_shape": a["colour+shape"],
+            "adherence_per_attribute": {k: a[k] for k in
+                                        ("count", "colour", "shape", "size", "position",
+                                         "background")},
+            "caption_accuracy": c["all"],
+            "caption_accuracy_per_attribute": {k: c[k] for k in
+                                               ("colour", "shape", "size", "position",
+                                                "background")},
+            "image_tokens": run["report"]["budget"]["image_tokens"],
+            "no_caption_share": run["report"]["budget"]["no_caption_share"],
+            "train_seconds": run["report"]["seconds"],
+            "examples": a["examples"][:4], "caption_examples": c["examples"][:4]}
+
+
+def summarise(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean of every number (nested dicts too), its std over seeds, and the seeds' values."""
+    def mean_std(values: list[float]) -> tuple[float, float]:
+        return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+    out: dict[str, Any] = {"seeds": len(per_seed), "std": {}}
+    for key, first in per_seed[0].items():
+        if isinstance(first, int | float) and not isinstance(first, bool):
+            out[key], out["std"][key] = mean_std([r[key] for r in per_seed])
+        elif isinstance(first, dict):
+            out[key] = {k: mean_std([r[key][k] for r in per_seed])[0] for k in first}
+            out["std"][key] = {k: mean_std([r[key][k] for r in per_seed])[1] for k in first}
+        else:
+            out[key] = first
+    return out
+
+
+# ---------------------------------------------------------------------------- report
+def fmt(arm: dict[str, Any], key: str) -> str:
+    return f"{arm[key]:.3f} ± {arm['std'][key]:.3f}"
+
+
+def table(result: dict[str, Any]) -> str:
+    head = ("| arm | adherence (all) | colour+shape | L_I\\|T | L_I\\|∅ | L_T\\|I | L_T | "
+            "caption accuracy | training captions exact |")
+    lines = [head, "|" + "---|" * 9]
+    for group in ("arms", "recipe"):
+        for name, arm in result[group].items():
+            lines.append(f"| {group}/{name} | {fmt(arm, 'adherence')} | "
+                         f"{fmt(arm, 'adherence_colour_shape')} | "
+                         + " | ".join(fmt(arm, k) for k in LOSSES)
+                         + f" | {fmt(arm, 'caption_accuracy')} | "
+                         f"{arm.get('training_caption_exact', float('nan')):.3f} |")
+    return "\n".join(lines)
+
+
+def plot(corruption: dict[str, Any], recaption: dict[str, Any] | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shares = sorted(float(s) for s in corruption)
+    means = [corruption[str(s)]["adherence"] for s in shares]
+    stds = [corruption[str(s)]["std"]["adherence"] for s in shares]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.errorbar(shares, means, yerr=stds, marker="o", capsize=3, label="alt-text captions")
+    if recaption:
+        ax.errorbar([0.5], [recaption["adherence"]], yerr=[recaption["std"]["adherence"]],
+                    marker="s", color="C2", capsize=3, label="recaptioned (alt-text 0.5)")
+    ax.set_xlabel("share of wrong alt-text")
+    ax.set_ylabel("prompt adherence (all attributes)")
+    ax.set_title("Scene world: adherence vs caption corruption")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ---------------------------------------------------------------------------- main
+def plan(quick: bool) -> tuple[dict, dict]:
+    """builds: name -> (alt-text share, recaption, p_drop); runs: group/arm -> (build,
+    recipe, schedule)."""
+    builds = {"noisy": (0.5, False, 0.3), "recaption": (0.5, True, 0.3),
+              "oracle": (0.0, False, 0.3)}
+    runs = {"arms/noisy": ("noisy", "replacement", "mixed"),
+            "arms/recaption": ("recaption", "replacement", "mixed"),
+            "arms/oracle": ("oracle", "replacement", "mixed"),
+            "recipe/replacement": ("recaption", "replacement", "mixed"),
+            "recipe/baseline": ("recaption", "baseline", "mixed")}
+    if not quick:
+        builds |= {"recaption-p0.1": (0.5, True, 0.1), "share0.25": (0.25, False, 0.3),
+                   "share0.75": (0.75, False, 0.3)}
+        runs |= {"recipe/replacement-p0.1": ("recaption-p0.1", "replacement", "mixed"),
+                 "recipe/baseline-p0.1": ("recaption-p0.1", "baseline", "mixed"),
+                 "recipe/staged": ("recaption", "replacement", "staged"),
+                 "corruption/0.25": ("share0.25", "replacement", "mixed"),
+                 "corruption/0.75": ("share0.75", "replacement", "mixed")}
+    return builds, runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one seed, caption and "
+                        "p_drop 0.3 recipe arms only (no plot)")
+    parser.add_argument("--seeds", type=int, help="default: 1 with --quick, else 3")
+    parser.add_argument("--work", type=Path, help="where builds and runs go (reused)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--train", type=int, help="training scenes (default 3000 / 8000)")
+    parser.add_argument("--heldout", type=int, default=200, help="held-out shard scenes")
+    parser.add_argument("--prompts", type=int, help="held-out prompts / captions per run")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--cfg-scale", type=float, default=3.0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per run (1: two stall each other on a busy machine)")
+    args = parser.parse_args()
+    args.seeds = args.seeds or (1 if args.quick else 3)
+    args.train = args.train or (3000 if args.quick else 8000)
+    args.prompts = args.prompts or (100 if args.quick else 200)
+    args.steps = args.steps or (600 if args.quick else 1500)
+    work = args.work or Path(tempfile.mkdtemp(prefix="pairforge-ablation-"))
+    import torch
+
+    torch.set_num_threads(args.threads)  # sampling and judging in this process
+    started = time.perf_counter()
+    result = run_all(work, args)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    log(f"done in {result['seconds']:.0f} s; work folder {work}")
+    print(table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+def run_all(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from pairforge.pipeline.sample_server import serve_directory
+
+    train, held = write_site(work, args.train, args.heldout)
+    text = train_text_tokenizer(work, train)
+    builds, runs = plan(args.quick)
+    shard_size = args.heldout  # the held-out scenes fill exactly the last shard
+    if args.train % shard_size:
+        raise SystemExit(f"--train ({args.train}) must be a multiple of --heldout ({shard_size})")
+    built: dict[str, Any] = {}
+    with serve_directory(work / "site") as base_url:
+        for name, (share, recaption, p_drop) in builds.items():
+            table_path = write_input(work, base_url, train, held, share)
+            out, seconds = build(work, name, table_path, recaption, p_drop, shard_size, text)
+            built[name] = {"path": out, "seconds": round(seconds, 1),
+                           **caption_quality(out, train)}
+            log(f"build {name}: {seconds:.0f} s, {built[name]['ok_train_rows']} training rows, "
+                f"training captions exact {built[name]['training_caption_exact']:.3f}")
+    result: dict[str, Any] = {"arms": {}, "recipe": {}, "corruption": {},
+                              "builds": {k: {**v, "path": str(v["path"])}
+                                         for k, v in built.items()}}
+    measured: dict[str, dict[str, Any]] = {}  # one run per (build, recipe, schedule, seed)
+    for key, (name, recipe, schedule) in runs.items():
+        per_seed = []
+        for seed in range(args.seeds):
+            run = train_run(work, built[name]["path"], f"{name}-{recipe}-{schedule}", recipe,
+                            schedule, seed, args)
+            if run["run"] not in measured:
+                measured[run["run"]] = measure(run, args)
+            per_seed.append(measured[run["run"]])
+            log(f"{key} seed {seed}: adherence {per_seed[-1]['adherence']:.3f}, caption "
+                f"accuracy {per_seed[-1]['caption_accuracy']:.3f}, L_T|I "
+                f"{per_seed[-1]['L_T|I']:.3f}, L_T {per_seed[-1]['L_T']:.3f}")
+        group, arm = key.split("/")
+        result[group][arm] = {**summarise(per_seed), "build": name, "recipe": recipe,
+                              "schedule": schedule,
+                              "training_caption_exact": built[name]["training_caption_exact"]}
+    if not args.quick:
+        result["corruption"] |= {"0.0": result["arms"]["oracle"], "0.5": result["arms"]["noisy"]}
+        plot(result["corruption"], result["arms"]["recaption"], PLOT)
+        log(f"plot → {PLOT}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
