@@ -1,0 +1,53 @@
+"""bench/ablation.py's pieces that need no build: the served alt-text and the summaries."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from pairforge.scenes.world import parse_caption, scenes
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "ablation.py"
+
+
+@pytest.fixture(scope="module")
+def ablation():
+    spec = importlib.util.spec_from_file_location("ablation", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_input_table_corrupts_training_rows_only(ablation, tmp_path):
+    train, held = scenes(400), scenes(100, "heldout")
+    path = ablation.write_input(tmp_path, "http://127.0.0.1:9", train, held, share=0.5)
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 500
+    assert all(r["url"].startswith("http://127.0.0.1:9/img/") for r in rows)
+    exact = [parse_caption(r["caption"]) == s.attributes()
+             for r, s in zip(rows[:400], train, strict=True)]
+    assert sum(exact) == 200  # exactly half the training alt-text is right
+    assert all(r["caption"] == s.sentence for r, s in zip(rows[400:], held, strict=True))
+    assert all(r["caption"].endswith(".") for r in rows if parse_caption(r["caption"]))
+
+
+def test_summaries_are_means_and_spreads(ablation):
+    a = {"adherence": 0.2, "per": {"colour": 0.5}, "name": "x"}
+    b = {"adherence": 0.4, "per": {"colour": 0.7}, "name": "x"}
+    s = ablation.summarise([a, b])
+    assert s["adherence"] == pytest.approx(0.3) and s["per"]["colour"] == pytest.approx(0.6)
+    assert s["std"]["adherence"] == pytest.approx(0.1414, abs=1e-4)
+    assert s["name"] == "x" and s["seeds"] == 2
+
+
+def test_quick_plan_shares_one_build_per_caption_source(ablation):
+    builds, runs = ablation.plan(quick=True)
+    assert set(builds) == {"noisy", "recaption", "oracle"}
+    assert runs["recipe/replacement"] == runs["arms/recaption"]  # one run, reported twice
+    full_builds, full_runs = ablation.plan(quick=False)
+    assert {"share0.25", "share0.75", "recaption-p0.1"} <= set(full_builds)
+    assert "recipe/staged" in full_runs
