@@ -105,9 +105,12 @@ PROCESS_COLUMNS: dict[str, pa.DataType] = {
     "caption_tokens": pa.list_(pa.int32()),
     "n_caption_tokens": pa.int32(),
     "task": pa.string(),  # t2i, i2t or img (shards/tasks.py), set by the writer
+    "vocab_layout": pa.string(),  # the tokenize step's layout (json), into the shard stats
 }
 # Step outputs written to their own per-shard files rather than the parquet.
 PER_SHARD_FILES = {"clip_embedding"}
+# Step outputs that describe the whole shard: the writer moves them into its stats file.
+PER_SHARD_STATS = {"vocab_layout": "vocab"}
 # What the steps see of a raw row (plus its image); the writer has the rest.
 STEP_INPUT_COLUMNS = ["key", "caption", "status", "error", "image_format", "width", "height",
                       "original_width", "original_height", "pixel_hash", "phash"]
@@ -127,7 +130,8 @@ def process_fields(provided: dict[str, pa.DataType]) -> list[pa.Field]:
     """The columns stage 3 adds to a raw shard's parquet, given what its steps provide (in
     chain order); the same in every shard of a run."""
     columns = {"duplicate_of": PROCESS_COLUMNS["duplicate_of"]}
-    columns.update((n, t) for n, t in provided.items() if n not in PER_SHARD_FILES)
+    columns.update((n, t) for n, t in provided.items()
+                   if n not in PER_SHARD_FILES and n not in PER_SHARD_STATS)
     if "n_image_tokens" in provided:
         columns["task"] = PROCESS_COLUMNS["task"]
     return [pa.field(n, t) for n, t in columns.items()]

@@ -7,6 +7,10 @@ so every row reaches the writer and the funnel adds up. ``ModelStep`` subclasses
 their model once in ``__init__`` and say what they need from the cluster in
 ``pool_config``; where they run is ``pipeline/``'s business, not theirs.
 
+Each call also records how long ``process`` took, spread over the rows it processed, in a
+``step_seconds.NAME`` column; the writer turns it and the statuses a step ``ends`` into the
+shard's per-step stats (rows in and out, rows ended by status, seconds) and drops it.
+
 Two optional hooks cover what a step owns beyond one batch: ``build_scope`` (a context
 around the whole stage-3 run, e.g. a shared registry) and ``finish_shard`` (called by the
 writer once a shard's rows are final, before its stats file marks it complete; what it
@@ -16,6 +20,8 @@ returns goes into the shard's stats under the step's name).
 from __future__ import annotations
 
 import contextlib
+import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -71,15 +77,39 @@ class Step:
             raise KeyError(f"step {self.name} needs columns {missing}")
         ok = pc.equal(batch["status"], Status.OK.value).to_numpy(zero_copy_only=False)
         index = np.flatnonzero(ok)
+        started = time.perf_counter()
         result = self.process(batch.take(index)) if len(index) else StepResult()
+        per_row = (time.perf_counter() - started) / max(len(index), 1)
         self._check_statuses(result)
-        return merge_result(batch, index, result, self.provides).drop_columns(list(drop))
+        batch = merge_result(batch, index, result, self.provides)
+        seconds = _scatter(np.full(len(index), per_row, np.float32), index, batch.num_rows,
+                           pa.float32())
+        return batch.append_column(SECONDS_PREFIX + self.name, seconds).drop_columns(list(drop))
 
     def _check_statuses(self, result: StepResult) -> None:
         unknown = {s for s in result.status or [] if s is not None} - set(self.ends)
         if unknown:
             raise ValueError(f"step {self.name} set statuses {sorted(unknown)} it does not "
                              f"declare in `ends` {[s.value for s in self.ends]}")
+
+
+SECONDS_PREFIX = "step_seconds."
+
+
+def step_stats(steps: list[type[Step]], rows_in: int,
+               rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per step over one shard: rows in and out, rows it ended by status, seconds in
+    ``process``. ``rows_in``: the rows the first step was given (the shard's rows to
+    process); ``rows``: the shard's final rows, with their ``step_seconds.*`` values."""
+    stats = {}
+    for step in steps:
+        ended = Counter(r["status"] for r in rows if r["status"] in step.ends)
+        seconds = sum(r.get(SECONDS_PREFIX + step.name) or 0.0 for r in rows)
+        rows_out = rows_in - sum(ended.values())
+        stats[step.name] = {"rows_in": rows_in, "rows_out": rows_out,
+                            "ended": dict(sorted(ended.items())), "seconds": round(seconds, 3)}
+        rows_in = rows_out
+    return stats
 
 
 class ModelStep(Step):

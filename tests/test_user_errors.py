@@ -320,3 +320,10 @@ def _npy(array) -> bytes:  # noqa: ANN001
     buffer = io.BytesIO()
     np.save(buffer, array)
     return buffer.getvalue()
+
+
+def test_a_malformed_train_config_names_the_file_and_line(tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text("shards: out/shards\nmodel: [1,\n")
+    result = run_cli(["train", str(config)])
+    assert_user_error(result.output, result.exit_code, [str(config), "line"])

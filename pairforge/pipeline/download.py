@@ -19,6 +19,7 @@ from pairforge.config import PairforgeConfig
 from pairforge.pipeline.fetch import Fetcher, FetchResult
 from pairforge.pipeline.imageproc import ImageFailure, ProcessedImage, process_image
 from pairforge.pipeline.inputs import InputShard
+from pairforge.pipeline.settings import settings_record, stage_settings
 from pairforge.records import Status, index_digits, json_safe, make_key
 from pairforge.shards.raw import RawShardWriter
 from pairforge.shards.storage import RAW_FOLDER, OutputDir
@@ -144,7 +145,9 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig,
         fetcher.close()
     if progress and pending:
         progress(pending)
-    return writer.close({"stage": "download", "start_time": started, "end_time": time.time(),
+    return writer.close({"stage": "download",
+                         "settings": settings_record(stage_settings(cfg, "download")),
+                         "start_time": started, "end_time": time.time(),
                          "duration_s": round(time.time() - started, 3),
                          "config": json.loads(cfg.download.model_dump_json())})
 

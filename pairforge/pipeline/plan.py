@@ -26,6 +26,7 @@ class ShardPlan:
     shard_id: int
     to_process: int  # rows the steps must return before the shard can be written
     duplicates: Duplicates = field(default_factory=dict)  # this shard's rows only
+    settings: dict = field(default_factory=dict)  # recorded in the shard's stats file
 
 
 def read_duplicates(out: OutputDir, cfg: PairforgeConfig) -> dict[int, Duplicates]:
@@ -48,13 +49,16 @@ def read_duplicates(out: OutputDir, cfg: PairforgeConfig) -> dict[int, Duplicate
 def plan_shards(out: OutputDir, cfg: PairforgeConfig, folder: str) -> list[ShardPlan]:
     """Complete raw shards not yet complete in ``folder``, with the rows to process: the
     raw shard's ok rows (from its stats file) less its duplicates (all of them ok rows)."""
+    from pairforge.pipeline.settings import process_expected
+
     duplicates = read_duplicates(out, cfg)
     pending = sorted(completed_shards(out, RAW_FOLDER) - completed_shards(out, folder))
+    settings = process_expected(out, cfg)
     plans = []
     for shard_id in pending:
         ok = out.read_json(RAW_FOLDER, stats_name(shard_id))["status"].get(Status.OK, 0)
         dups = duplicates.get(shard_id, {})
-        plans.append(ShardPlan(shard_id, ok - len(dups), dups))
+        plans.append(ShardPlan(shard_id, ok - len(dups), dups, settings[shard_id]))
     return plans
 
 

@@ -23,6 +23,7 @@ from pairforge.pipeline.plan import plan_shards, score_threshold
 from pairforge.pipeline.preflight import check_model_sources
 from pairforge.pipeline.progress import StageDisplay
 from pairforge.pipeline.ray_runtime import init_ray
+from pairforge.pipeline.settings import check_settings
 from pairforge.pipeline.stream import stream_shards
 from pairforge.pipeline.write import write_scores_task, write_shard_task
 from pairforge.recaption.choice import TrainingCaptionStep
@@ -38,7 +39,6 @@ from pairforge.shards.storage import (
 )
 from pairforge.stage import Step
 from pairforge.tokenizers.step import TokenizeStep
-from pairforge.tokenizers.vocab import vocab_layout
 
 
 def enabled_steps(cfg: PairforgeConfig) -> list[type[Step]]:
@@ -79,9 +79,12 @@ def _learn_clip_threshold(cfg: PairforgeConfig, out: OutputDir,
     return resolved
 
 
-def run_process(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, Any]:
-    """Stage 3 over every complete raw shard that has no complete output shard yet."""
+def run_process(cfg: PairforgeConfig, show_progress: bool = True,
+                force: bool = False) -> dict[str, Any]:
+    """Stage 3 over every complete raw shard that has no complete output shard made under
+    these settings (``force``: redo the shards made under others; else they stop it)."""
     check_model_sources(cfg)
+    check_settings(cfg, ("process",), force)
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(SHARDS_FOLDER)
     out.remove_temporaries(SHARDS_FOLDER)
@@ -110,7 +113,7 @@ def run_process(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, A
     seconds = time.time() - started
     from pairforge.pipeline.runner import summarise
 
-    write_dataset_files(out, build_manifest(out, cfg, vocab_layout(cfg)))
+    write_dataset_files(out, build_manifest(out, cfg))
     summary = summarise(out, SHARDS_FOLDER, all_ids)
     return {**summary, "shards_skipped": len(all_ids) - len(plans), "seconds": round(seconds, 2),
             "rows_per_s": round(rows / seconds, 1) if rows else None, **stats_extra}

@@ -41,9 +41,15 @@ def _download_task(shard: InputShard, cfg: PairforgeConfig, counter: Any) -> dic
     return download_shard(shard, cfg, progress=lambda c: counter.add.remote(dict(c)))
 
 
-def run_download(cfg: PairforgeConfig, show_progress: bool = True) -> dict[str, Any]:
-    """Stage 1 over every shard not yet complete; returns the funnel of all shards."""
+def run_download(cfg: PairforgeConfig, show_progress: bool = True,
+                 force: bool = False) -> dict[str, Any]:
+    """Stage 1 over every shard not yet complete under these settings (``force``: redo the
+    shards made under others; else they stop it); returns the funnel of all shards."""
     import ray
+
+    from pairforge.pipeline.settings import check_settings
+
+    check_settings(cfg, ("download",), force)
 
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(RAW_FOLDER)

@@ -5,6 +5,7 @@ score file). The stats file is written last: it marks the shard complete.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pyarrow as pa
@@ -12,12 +13,13 @@ import pyarrow.parquet as pq
 
 from pairforge.config import PairforgeConfig
 from pairforge.pipeline.plan import ShardPlan
+from pairforge.pipeline.settings import settings_record
 from pairforge.pipeline.stream import read_raw
-from pairforge.records import SAMPLE_FIELDS, TOKEN_FIELDS, process_fields
+from pairforge.records import PER_SHARD_STATS, SAMPLE_FIELDS, TOKEN_FIELDS, process_fields
 from pairforge.shards.raw import shard_name
 from pairforge.shards.storage import SCORES_FOLDER, OutputDir
 from pairforge.shards.training import final_rows, write_embeddings, write_training_shard
-from pairforge.stage import Step
+from pairforge.stage import SECONDS_PREFIX, Step, step_stats
 
 
 def provided_columns(steps: list[type[Step]]) -> dict[str, pa.DataType]:
@@ -30,11 +32,19 @@ def write_shard_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     raw = read_raw(out, plan.shard_id)
     rows = final_rows(raw, plan.duplicates, results)
-    stats = dict(stats_extra)
+    stats = {**stats_extra, "settings": settings_record(plan.settings),
+             "step_stats": step_stats(steps, plan.to_process, rows)}
+    for row in rows:
+        for step in steps:
+            row.pop(SECONDS_PREFIX + step.name, None)
+        for column, key in PER_SHARD_STATS.items():
+            value = row.pop(column, None)
+            if value is not None:
+                stats[key] = json.loads(value)
     for step in steps:
-        step_stats = step.finish_shard(cfg, plan.shard_id, rows)
-        if step_stats is not None:
-            stats[step.name] = step_stats
+        finished = step.finish_shard(cfg, plan.shard_id, rows)
+        if finished is not None:
+            stats[step.name] = finished
     schema = pa.schema([*raw.schema, *process_fields(provided_columns(steps))])
     meta = SAMPLE_FIELDS + (TOKEN_FIELDS if "n_image_tokens" in schema.names else [])
     return write_training_shard(out, plan.shard_id, rows, schema, meta, stats,

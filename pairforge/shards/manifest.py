@@ -7,11 +7,13 @@ describes exactly the shards on disk, however many runs and workers made them.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import time
 from collections import Counter
 from typing import Any
 
 from pairforge.config import PairforgeConfig
+from pairforge.shards.features import hf_features
 from pairforge.shards.raw import shard_name, stats_name
 from pairforge.shards.storage import RAW_FOLDER, SHARDS_FOLDER, OutputDir
 
@@ -54,6 +56,22 @@ def _sum_recaption(shards: list[dict[str, Any]]) -> dict[str, Any] | None:
             for k, v in sorted(total.items())}
 
 
+def _sum_steps(shards: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each step's rows in and out, rows ended by status and seconds, over all shards."""
+    total: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        for name, part in shard.get("step_stats", {}).items():
+            into = total.setdefault(name, {"rows_in": 0, "rows_out": 0, "ended": Counter(),
+                                           "seconds": 0.0})
+            into["rows_in"] += part["rows_in"]
+            into["rows_out"] += part["rows_out"]
+            into["ended"].update(part["ended"])
+            into["seconds"] = round(into["seconds"] + part["seconds"], 3)
+    for part in total.values():
+        part["ended"] = dict(sorted(part["ended"].items()))
+    return total
+
+
 def _funnel(out: OutputDir, shard_ids: list[int], shards: list[dict[str, Any]]) -> dict:
     download: Counter = Counter()
     for shard_id in shard_ids:
@@ -65,28 +83,44 @@ def _funnel(out: OutputDir, shard_ids: list[int], shards: list[dict[str, Any]]) 
             "final": dict(final)}
 
 
-def build_manifest(out: OutputDir, cfg: PairforgeConfig,
-                   vocab: dict[str, Any] | None) -> dict[str, Any]:
+def _one_value(values: set, name: str, default: Any) -> Any:
+    """The one value every shard records; shards made under different settings cannot
+    share a manifest (reruns refuse to mix them, so this only meets hand-mixed folders)."""
+    if len(values) > 1:
+        raise ValueError(f"the shards were made with different {name}: {sorted(values)}")
+    return values.pop() if values else default
+
+
+def _vocab(shards: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The vocabulary layout the tokenize step recorded in the shards (all the same)."""
+    layouts = {json.dumps(s["vocab"], sort_keys=True) for s in shards if "vocab" in s}
+    layout = _one_value(layouts, "vocabulary layouts", None)
+    return json.loads(layout) if layout else None
+
+
+def build_manifest(out: OutputDir, cfg: PairforgeConfig) -> dict[str, Any]:
     ids = sorted(int(n.split("_")[0]) for n in out.glob(f"{SHARDS_FOLDER}/*_stats.json"))
     shards = [out.read_json(SHARDS_FOLDER, stats_name(i)) for i in ids]
     tasks = _sum_tasks(shards)
     image_total = sum(t["image_tokens"] for t in tasks.values())
     unconditional = sum(tasks.get(t, {}).get("image_tokens", 0) for t in ("i2t", "img"))
     budgets = [s["budget"] for s in shards if "budget" in s]
+    p_drop = _one_value({b["p_drop"] for b in budgets}, "p_drop", cfg.process.tasks.p_drop)
     return {
         "manifest_version": MANIFEST_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": _versions(),
         "config": cfg.model_dump(mode="json"),
-        "vocab": vocab,
+        "vocab": _vocab(shards),
         "models": {"clip": shards[0].get("clip_model") if shards else None,
                    "clip_threshold": shards[0].get("clip_threshold") if shards else None,
                    "recaption": (cfg.process.recaption.model
                                  if cfg.process.recaption.enabled else None)},
         "recaption": _sum_recaption(shards),
+        "steps": _sum_steps(shards),
         "budget": {
-            "p_drop": cfg.process.tasks.p_drop,
-            "target_unconditional_share": cfg.process.tasks.p_drop,
+            "p_drop": p_drop,
+            "target_unconditional_share": p_drop,
             "realized_unconditional_share": unconditional / image_total if image_total else None,
             "realized_i2t_share": (tasks.get("i2t", {}).get("image_tokens", 0) / image_total
                                    if image_total else None),
@@ -96,6 +130,7 @@ def build_manifest(out: OutputDir, cfg: PairforgeConfig,
         "totals": {"samples": sum(s["successes"] for s in shards), "tasks": tasks},
         "shards": [{"name": f"{shard_name(s['shard'])}.tar", "samples": s["successes"],
                     "rows": s["count"], "tasks": s.get("tasks", {}), "budget": s.get("budget"),
+                    "settings_digest": (s.get("settings") or {}).get("digest"),
                     "status": s["status"]} for s in shards],
         "funnel": _funnel(out, ids, shards),
     }
@@ -111,4 +146,7 @@ def write_dataset_files(out: OutputDir, manifest: dict[str, Any]) -> None:
                     "name": "pairforge", "shardlist": [
                         {"url": f"{SHARDS_FOLDER}/{s['name']}", "nsamples": s["samples"]}
                         for s in manifest["shards"]]}, "index.wids.json")
+    image_extension = manifest["config"]["download"]["image"]["encode_format"]
+    out.write_json(hf_features(image_extension, manifest["vocab"] is not None),
+                   "features.json")
     out.write_json(manifest, "manifest.json")

@@ -88,6 +88,7 @@ def verify_dataset(path: str, storage_options: dict | None = None,
         name = shard["name"]
         samples, read_problems = _read_samples(out, name)
         problems += read_problems
+        problems += _check_settings(out, shard)
         if len(samples) != shard["samples"]:
             problems.append(f"{name}: {len(samples)} samples, manifest says {shard['samples']}")
         metas = []
@@ -105,6 +106,20 @@ def verify_dataset(path: str, storage_options: dict | None = None,
     if tokenized:
         problems += _check_budget(manifest, all_metas, tolerance_images)
     return problems
+
+
+def _check_settings(out: OutputDir, shard: dict[str, Any]) -> list[str]:
+    """The shard's stats file still records the settings the manifest says it was made
+    under (a rerun that redid it without rebuilding the manifest would differ)."""
+    name = shard["name"]
+    stats_file = name.replace(".tar", "_stats.json")
+    if "settings_digest" not in shard or not out.exists(SHARDS_FOLDER, stats_file):
+        return []
+    recorded = (out.read_json(SHARDS_FOLDER, stats_file).get("settings") or {}).get("digest")
+    if recorded != shard["settings_digest"]:
+        return [f"{name}: made under settings {recorded}, manifest says "
+                f"{shard['settings_digest']}"]
+    return []
 
 
 def _compare_totals(name: str, found: dict, expected: dict) -> list[str]:

@@ -7,19 +7,22 @@ the writer turns the columns into ``KEY.vq.npy`` (codes shaped by ``token_grid``
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 
 from pairforge.config import ModelPoolConfig, PairforgeConfig
 from pairforge.images import decode_rgb, model_device
 from pairforge.records import process_columns
 from pairforge.stage import ModelStep, StepResult
+from pairforge.tokenizers.vocab import VocabLayout
 
 
 class TokenizeStep(ModelStep):
     name = "tokenize"
     requires = ("image", "train_caption")
     provides = process_columns("image_tokens", "token_grid", "n_image_tokens",
-                               "caption_tokens", "n_caption_tokens")
+                               "caption_tokens", "n_caption_tokens", "vocab_layout")
 
     @classmethod
     def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
@@ -33,6 +36,10 @@ class TokenizeStep(ModelStep):
         self.image_tokenizer = load_image_tokenizer({
             **tok.image.model_dump(), "device": model_device(tok), "batch_size": tok.batch_size})
         self.text_tokenizer = load_text_tokenizer(tok.text.model_dump())
+        # the layout travels with the results (once per batch) into each shard's stats:
+        # the manifest is built from those, without loading a model on the driver
+        self.layout = json.dumps(VocabLayout.from_tokenizers(
+            self.text_tokenizer, self.image_tokenizer).to_manifest(), sort_keys=True)
 
     def process(self, rows: pa.Table) -> StepResult:
         images = [decode_rgb(b) for b in rows["image"].to_pylist()]
@@ -45,4 +52,5 @@ class TokenizeStep(ModelStep):
             "n_image_tokens": [int(g.size) for g in grids],
             "caption_tokens": captions,
             "n_caption_tokens": [len(c) for c in captions],
+            "vocab_layout": [self.layout] + [None] * (len(grids) - 1),
         })

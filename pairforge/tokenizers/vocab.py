@@ -19,8 +19,6 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from pairforge.config import PairforgeConfig
-
 SPECIALS = ("sov", "eov", "eos", "pad")
 
 
@@ -160,14 +158,3 @@ def _name(fingerprint: dict[str, Any]) -> str:
         parts.append(f"digest {fingerprint['digest']}")
     return " ".join(parts)
 
-
-def vocab_layout(cfg: PairforgeConfig) -> dict[str, Any] | None:
-    """The vocabulary of the tokenize step (DESIGN.md section 6), for the manifest."""
-    tok = cfg.process.tokenize
-    if not tok.enabled:
-        return None
-    from pairforge.tokenizers.registry import load_image_tokenizer, load_text_tokenizer
-
-    image = load_image_tokenizer({**tok.image.model_dump(), "device": "cpu"})
-    text = load_text_tokenizer(tok.text.model_dump())
-    return VocabLayout.from_tokenizers(text, image).to_manifest()

@@ -9,10 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from pairforge.config import ConfigError, Strict, _describe, apply_overrides
+from pairforge.config import ConfigError, Strict, _describe, apply_overrides, read_yaml_mapping
 
 
 class DataConfig(Strict):
@@ -110,10 +109,4 @@ def parse_train_config(data: dict[str, Any], overrides: list[str] | None = None)
 
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML train config, apply overrides, validate; ConfigError names the key."""
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as err:
-        raise ConfigError(f"cannot read config {path}: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config {path} must be a mapping at the top level")
-    return parse_train_config(data, overrides)
+    return parse_train_config(read_yaml_mapping(path), overrides)

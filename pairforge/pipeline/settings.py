@@ -1,0 +1,172 @@
+"""The settings that shaped a shard, recorded in its stats file and checked on reruns.
+
+A rerun skips a complete shard only if it was made under the same settings: the config
+values that decide the stage's bytes (not how fast they are made: threads, pool and batch
+sizes, CPUs, timeouts), the fingerprints of the local model files it loads, and for
+stage 3 the settings of the raw shard it was made from. On a difference the run stops
+before any work and names the changed keys and the shards affected; ``--force`` redoes
+those shards instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pairforge.config import ConfigError, PairforgeConfig
+from pairforge.shards.raw import completed_shards, stats_name
+from pairforge.shards.storage import RAW_FOLDER, SCORES_FOLDER, SHARDS_FOLDER, OutputDir
+
+# Config sections that decide each stage's bytes.
+STAGE_SECTIONS = {"download": ("input", "download"), "process": ("dedup", "process")}
+# Leaf names that change speed or politeness, not what is written.
+PERFORMANCE_KEYS = {"threads", "processes", "per_host_connections", "timeout", "retries",
+                    "backoff", "max_retry_after", "user_agent_token", "pool_size",
+                    "batch_size", "num_cpus", "num_gpus", "resources", "torch_threads",
+                    "concurrency", "timeout_s", "workers", "storage_options"}
+# Config keys naming model files whose bytes decide stage-3 output.
+MODEL_KEYS = ("process.clip.pretrained", "process.clip.model_config_path",
+              "process.recaption.model", "process.tokenize.image.path_or_id",
+              "process.tokenize.text.path_or_id")
+_SAMPLE_BYTES = 1 << 20  # a model file is fingerprinted by its size and its ends
+
+
+class SettingsChanged(ConfigError):
+    """Complete shards were made under other settings than this run's."""
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        flat: dict[str, Any] = {}
+        for key, inner in value.items():
+            if key not in PERFORMANCE_KEYS:
+                flat.update(_flatten(inner, f"{prefix}{key}."))
+        return flat
+    return {prefix.rstrip("."): value}
+
+
+def file_fingerprint(path: Path) -> str:
+    """Names, sizes and the first and last MiB of every file under ``path``: cheap for
+    multi-GB weights, and it changes when the weights do."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}\0{size}\0"
+                      .encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(_SAMPLE_BYTES))
+            if size > 2 * _SAMPLE_BYTES:
+                f.seek(size - _SAMPLE_BYTES)
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def stage_settings(cfg: PairforgeConfig, stage: str) -> dict[str, Any]:
+    """``{dotted key: value}`` of what decides the stage's bytes, model files included."""
+    dumped = cfg.model_dump(mode="json")
+    values: dict[str, Any] = {}
+    for section in STAGE_SECTIONS[stage]:
+        values.update(_flatten(dumped[section], f"{section}."))
+    if stage == "process":
+        for key in MODEL_KEYS:
+            path = values.get(key)
+            if isinstance(path, str) and path and Path(path).exists():
+                values[f"{key}#files"] = file_fingerprint(Path(path))
+    return values
+
+
+def settings_digest(values: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def settings_record(values: dict[str, Any]) -> dict[str, Any]:
+    """What a shard's stats file keeps: the digest, and the values to name changes by."""
+    return {"digest": settings_digest(values), "values": values}
+
+
+def changed_shards(out: OutputDir, folder: str,
+                   expected: dict[int, dict[str, Any]]) -> dict[int, list[str]]:
+    """Complete shards in ``folder`` whose recorded settings differ from ``expected``
+    (per shard id), with the keys that differ."""
+    changed = {}
+    for shard_id in sorted(completed_shards(out, folder) & set(expected)):
+        recorded = out.read_json(folder, stats_name(shard_id)).get("settings") or {}
+        want = expected[shard_id]
+        if recorded.get("digest") == settings_digest(want):
+            continue
+        old = recorded.get("values")
+        if old is None:
+            changed[shard_id] = ["(settings not recorded)"]  # made by an older pairforge
+            continue
+        changed[shard_id] = sorted(k for k in set(old) | set(want) if old.get(k) != want.get(k))
+    return changed
+
+
+def _describe(stage: str, folder: str, out: OutputDir, changed: dict[int, list[str]]) -> str:
+    keys = sorted({k for ks in changed.values() for k in ks})
+    ids = ", ".join(f"{i:05d}" for i in list(changed)[:10])
+    more = f" and {len(changed) - 10} more" if len(changed) > 10 else ""
+    return (f"{len(changed)} complete {stage} shard(s) in {out.uri(folder)} were made under "
+            f"other settings: {ids}{more}. Changed: {', '.join(keys[:12])}"
+            f"{' ...' if len(keys) > 12 else ''}.")
+
+
+def check_rerun(out: OutputDir, folder: str, expected: dict[int, dict[str, Any]],
+                stage: str, force: bool) -> list[int]:
+    """Stop (exit 2) when complete shards were made under other settings, naming the keys;
+    with ``force``, mark them incomplete (their stats files go) and return their ids."""
+    changed = changed_shards(out, folder, expected)
+    if changed and not force:
+        raise SettingsChanged(f"{_describe(stage, folder, out, changed)} Rerun with --force "
+                              "to redo them, or write to another output.path.")
+    for shard_id in changed:
+        out.remove(folder, stats_name(shard_id))
+    return sorted(changed)
+
+
+def download_expected(out: OutputDir, cfg: PairforgeConfig) -> dict[int, dict[str, Any]]:
+    values = stage_settings(cfg, "download")
+    return {shard_id: values for shard_id in completed_shards(out, RAW_FOLDER)}
+
+
+def process_expected(out: OutputDir, cfg: PairforgeConfig,
+                     raw_digest: str | None = None) -> dict[int, dict[str, Any]]:
+    """Per raw shard: stage 3's settings plus the settings digest of the raw shard it is
+    made from (``raw_digest`` when stage 1 is about to remake them all under it)."""
+    values = stage_settings(cfg, "process")
+    expected = {}
+    for shard_id in completed_shards(out, RAW_FOLDER):
+        digest = raw_digest or (out.read_json(RAW_FOLDER, stats_name(shard_id))
+                                .get("settings") or {}).get("digest")
+        expected[shard_id] = {**values, "raw.settings": digest}
+    return expected
+
+
+def check_settings(cfg: PairforgeConfig, stages: tuple[str, ...], force: bool = False) -> None:
+    """Before any work: every complete shard the stages would skip was made under this
+    run's settings, or (``force``) it is marked incomplete and redone. All changes of all
+    stages are named in one message."""
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
+    checks = []
+    if "download" in stages:
+        checks.append(("download", RAW_FOLDER, download_expected(out, cfg)))
+    if "process" in stages:
+        raw_digest = (settings_digest(stage_settings(cfg, "download"))
+                      if "download" in stages else None)
+        checks.append(("process", SHARDS_FOLDER, process_expected(out, cfg, raw_digest)))
+    found = [(stage, folder, changed_shards(out, folder, expected))
+             for stage, folder, expected in checks]
+    found = [f for f in found if f[2]]
+    if found and not force:
+        raise SettingsChanged(" ".join(_describe(stage, folder, out, changed)
+                                       for stage, folder, changed in found)
+                              + " Rerun with --force to redo them, or write to another "
+                              "output.path.")
+    for _, folder, changed in found:
+        for shard_id in changed:
+            out.remove(folder, stats_name(shard_id))
+            if folder == SHARDS_FOLDER and out.exists(SCORES_FOLDER, f"{shard_id:05d}.parquet"):
+                out.remove(SCORES_FOLDER, f"{shard_id:05d}.parquet")  # CLIP's cached scores

@@ -1,0 +1,26 @@
+"""The golden build (tests/golden.py): every file of a small dataset built through every
+stage and step has the bytes pinned in tests/data/golden_digest.json.
+
+A refactor that changes what the pipeline writes fails here, file by file. After a change
+meant to change the output, regenerate with `python tests/golden.py --update` and say in
+the commit why the bytes moved.
+"""
+
+from __future__ import annotations
+
+import json
+
+import golden
+import pytest
+
+
+@pytest.mark.slow
+def test_the_golden_build_writes_the_pinned_bytes():
+    expected = json.loads(golden.DIGEST_FILE.read_text())
+    try:
+        found = golden.digest(golden.build())
+    finally:
+        golden.shutil.rmtree(golden.ROOT, ignore_errors=True)
+    assert sorted(found) == sorted(expected), "files added or missing"
+    changed = sorted(name for name in expected if found[name] != expected[name])
+    assert not changed, f"bytes changed in {changed} (see tests/golden.py to regenerate)"
