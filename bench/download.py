@@ -1,33 +1,88 @@
-"""Stage 1 against img2dataset: same loopback server, same input, same resize, same workers.
+"""Stage 1 against img2dataset: the same nginx, the same input, the same resize and workers.
 
-    python bench/download.py [--rows 10000] [--processes 2] [--threads 32]
+    python bench/download.py                       # one host, photos at 640-2,048 px
+    python bench/download.py --hosts 16            # nginx on 127.0.0.1 .. 127.0.0.16
+    python bench/download.py --photos 1280 --rows 5000 --hosts 16
+    python bench/download.py --set download.per_host_connections=64
+    python bench/download.py --setups --repeats 2  # the four setups of issue 18
+    python bench/download.py --only pairforge --rows 100000   # peak RSS at 10^5 rows
 
-The input is the real alt-text of ../shared/data/alttext-10k.parquet with each URL
-rewritten to one of the COCO sample photos served over loopback HTTP. img2dataset runs
-from its own virtual environment (it pins an older webdataset), made on first use in
-bench/.venv-img2dataset.
-pairforge computes sha256, the pixel hash and the perceptual hash; img2dataset sha256 only.
+Prerequisite: nginx (``apt-get update && apt-get install -y nginx-light``). The bench starts
+it itself from a temporary config (bench/webhost.py: no system service, one worker,
+``sendfile on; tcp_nodelay on;``); without nginx it falls back to the Python
+``serve_directory`` and says so. The photos are the COCO sample of
+/work/shared/data re-encoded at web sizes (bench/photoset.py, cached under the temp dir):
+``--photos web`` draws each longer side from 640-2,048 px, a number fixes it, ``coco``
+serves them as shipped (at most 300 px). The captions are the 10,000 real alt-texts of
+alttext-10k.parquet, repeated for more rows.
+
+Both tools run as a new user runs them, as whole commands: ``img2dataset`` 1.47.0 from its
+own virtual environment (bench/.venv-img2dataset, made on first use; it pins an older
+webdataset) and ``pairforge download`` at its defaults (local Ray started and stopped by
+the command), with 2 processes x 32 threads, shards of 1,000 rows, keep_ratio 256 jpg q95,
+no retries, timeout 10 s; pairforge's allow-list is 127.0.0.0/8. Their runs alternate,
+in turn first, so both see the same load on a shared machine. For each run: images/s of
+the whole command, CPU ms per image summed over the whole process tree (driver and every
+worker), the web server's CPU, and the peak of the process tree's summed RSS (sampled
+every 0.2 s). pairforge computes sha256, the pixel hash and the perceptual hash;
+img2dataset sha256 only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from photoset import describe, photo_set  # noqa: E402
+from proctree import cpu_seconds, run_sampled  # noqa: E402
+from webhost import start_hosts  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT.parent / "shared" / "data"
+DATA = Path("/work/shared/data")
 I2D_VENV = ROOT / "bench" / ".venv-img2dataset"
 I2D_PYTHON = I2D_VENV / "bin" / "python"
 I2D_VERSION = "img2dataset==1.47.0"
+TOOLS = ("img2dataset", "pairforge")
+
+# The four setups of issue 18: (name, hosts, photos, rows, pairforge --set overrides).
+SETUPS = [
+    ("one host, defaults", 1, "web", 10_000, []),
+    ("one host, per_host_connections 64", 1, "web", 10_000,
+     ["download.per_host_connections=64"]),
+    ("16 hosts, defaults", 16, "web", 10_000, []),
+    ("16 hosts, 1,280 px photos", 16, "1280", 5_000, []),
+]
+
+
+@dataclass
+class Run:
+    tool: str
+    ok: int
+    rows: int
+    seconds: float
+    cpu_s: float  # the tool's whole process tree
+    server_cpu_s: float
+    peak_rss: int
+    top: list[tuple[str, float]]  # CPU seconds of the busiest process names
+
+    def line(self) -> str:
+        top = ", ".join(f"{name} {s:.1f}" for name, s in self.top)
+        return (f"{self.tool:12s}: {self.ok:6d}/{self.rows} ok in {self.seconds:6.2f} s = "
+                f"{self.ok / self.seconds:6.1f} images/s; CPU {self.cpu_s / self.ok * 1e3:5.2f} "
+                f"ms/image (server {self.server_cpu_s / self.ok * 1e3:.2f}); peak RSS "
+                f"{self.peak_rss / 2**20:6.0f} MiB; CPU s by process: {top}")
 
 
 def ensure_img2dataset() -> None:
@@ -36,102 +91,123 @@ def ensure_img2dataset() -> None:
         subprocess.run([str(I2D_PYTHON), "-m", "pip", "install", "-q", I2D_VERSION], check=True)
 
 
-def _serve(root: str, port_queue: mp.Queue) -> None:
-    from pairforge.pipeline.sample_server import serve_directory
-
-    with serve_directory(root) as url:
-        port_queue.put(url)
-        while True:
-            time.sleep(3600)
-
-
-def start_server(root: Path) -> tuple[mp.Process, str]:
-    """The image host runs in its own process so neither tool's driver shares its GIL."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_serve, args=(str(root), queue), daemon=True)
-    proc.start()
-    return proc, queue.get(timeout=30)
-
-
-def make_input(base_url: str, rows: int, path: Path) -> None:
-    alt = pq.read_table(DATA / "alttext-10k.parquet", columns=["URL", "TEXT"])
-    images = sorted(p.name for p in (DATA / "coco-sample" / "images").glob("*.jpg"))
-    reps = -(-rows // alt.num_rows)
-    captions = (alt["TEXT"].to_pylist() * reps)[:rows]
-    urls = [f"{base_url}/{images[i % len(images)]}" for i in range(rows)]
+def make_input(base_urls: list[str], names: list[str], rows: int, path: Path) -> None:
+    """``rows`` alt-text captions, URL i on host i mod N, photo i mod the set's size."""
+    alt = pq.read_table(DATA / "alttext-10k.parquet", columns=["TEXT"])["TEXT"].to_pylist()
+    captions = [alt[i % len(alt)] for i in range(rows)]
+    urls = [f"{base_urls[i % len(base_urls)]}/{names[i % len(names)]}" for i in range(rows)]
     pq.write_table(pa.table({"URL": urls, "TEXT": captions}), path)
 
 
-def run_img2dataset(inp: Path, out: Path, args: argparse.Namespace) -> float:
-    cmd = [str(I2D_PYTHON), "-m", "img2dataset.main", "--url_list", str(inp),
-           "--input_format", "parquet", "--url_col", "URL", "--caption_col", "TEXT",
-           "--output_format", "webdataset", "--output_folder", str(out),
-           "--processes_count", str(args.processes), "--thread_count", str(args.threads),
-           "--number_sample_per_shard", str(args.shard_size),
-           "--image_size", str(args.image_size), "--resize_mode", "keep_ratio",
-           "--encode_format", "jpg", "--encode_quality", "95", "--timeout", "10",
-           "--retries", "0", "--distributor", "multiprocessing", "--enable_wandb", "False"]
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
+def img2dataset_cmd(inp: Path, out: Path, args: argparse.Namespace) -> list[str]:
+    return [str(I2D_PYTHON), "-m", "img2dataset.main", "--url_list", str(inp),
+            "--input_format", "parquet", "--url_col", "URL", "--caption_col", "TEXT",
+            "--output_format", "webdataset", "--output_folder", str(out),
+            "--processes_count", str(args.processes), "--thread_count", str(args.threads),
+            "--number_sample_per_shard", str(args.shard_size),
+            "--image_size", "256", "--resize_mode", "keep_ratio",
+            "--encode_format", "jpg", "--encode_quality", "95", "--timeout", "10",
+            "--retries", "0", "--distributor", "multiprocessing", "--enable_wandb", "False"]
 
 
-def count_img2dataset(out: Path) -> int:
-    return sum(json.loads(p.read_text())["successes"] for p in out.glob("*_stats.json"))
+def pairforge_cmd(inp: Path, out: Path, args: argparse.Namespace,
+                  overrides: list[str]) -> list[str]:
+    pairforge = Path(sys.executable).with_name("pairforge")
+    sets = [f"input.path={inp}", f"output.path={out}", f"input.shard_size={args.shard_size}",
+            f"download.processes={args.processes}", f"download.threads={args.threads}",
+            *overrides]
+    return [str(pairforge), "download", str(ROOT / "bench" / "dl.yaml"), "-q",
+            *[arg for s in sets for arg in ("--set", s)]]
 
 
-def run_pairforge(inp: Path, out: Path, args: argparse.Namespace) -> tuple[float, float, int]:
-    """(seconds to start Ray, seconds of the download stage, ok images), in this process."""
-    from pairforge.config import load_config
-    from pairforge.pipeline.ray_runtime import init_ray, shutdown_ray
-    from pairforge.pipeline.runner import run_download
+def successes(out: Path) -> int:
+    return sum(json.loads(p.read_text())["successes"] for p in out.glob("**/*_stats.json"))
 
-    cfg = load_config(ROOT / "bench" / "dl.yaml", [
-        f"input.path={inp}", f"output.path={out}", f"input.shard_size={args.shard_size}",
-        f"download.processes={args.processes}", f"download.threads={args.threads}",
-        f"download.image.image_size={args.image_size}", f"ray.num_cpus={args.processes}"])
-    start = time.perf_counter()
-    init_ray(cfg.ray)
-    ray_s = time.perf_counter() - start
-    start = time.perf_counter()
-    summary = run_download(cfg, show_progress=False)
-    stage_s = time.perf_counter() - start
-    shutdown_ray()
-    return ray_s, stage_s, summary["status"].get("ok", 0)
+
+def run_tool(tool: str, inp: Path, out: Path, rows: int, server_pids: list[int],
+             args: argparse.Namespace, overrides: list[str]) -> Run:
+    cmd = (img2dataset_cmd(inp, out, args) if tool == "img2dataset"
+           else pairforge_cmd(inp, out, args, overrides))
+    server_before = cpu_seconds(server_pids)
+    seconds, tree = run_sampled(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = cpu_seconds(server_pids) - server_before
+    top = tree.cpu_by_name().most_common(8)
+    if args.verbose:
+        for pid, proc in sorted(tree.procs.items(), key=lambda kv: -kv[1].cpu_s):
+            print(f"    {pid:8d} {proc.name:16s} {proc.cpu_s:6.2f} s CPU, "
+                  f"peak RSS {proc.peak_rss / 2**20:5.0f} MiB")
+    run = Run(tool, successes(out), rows, seconds, tree.cpu_s, server, tree.peak_rss, top)
+    shutil.rmtree(out, ignore_errors=True)
+    return run
+
+
+def run_setup(name: str, hosts_n: int, photos: str, rows: int, overrides: list[str],
+              args: argparse.Namespace) -> list[Run]:
+    folder = photo_set(photos)
+    names = sorted(p.name for p in folder.glob("*.jpg"))
+    hosts = start_hosts(folder, hosts_n, args.server)
+    load = os.getloadavg()[0]
+    print(f"\n## {name}: {rows} rows, {hosts_n} host(s), {hosts.server}; {describe(folder)}; "
+          f"pairforge --set {overrides or '(none)'}; load average {load:.1f}", flush=True)
+    runs = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="pairforge-bench-") as tmp:
+            inp = Path(tmp) / "input.parquet"
+            make_input(hosts.base_urls, names, rows, inp)
+            tools = [t for t in TOOLS if args.only in (None, t)]
+            for repeat in range(args.repeats):
+                order = tools if repeat % 2 == 0 else tools[::-1]
+                for tool in order:
+                    run = run_tool(tool, inp, Path(tmp) / tool, rows, hosts.pids, args,
+                                   overrides)
+                    print(run.line(), flush=True)
+                    runs.append(run)
+    finally:
+        hosts.close()
+    summarise(runs)
+    return runs
+
+
+def summarise(runs: list[Run]) -> None:
+    """Median images/s and CPU ms per image per tool and, with both, their ratios."""
+    rates, cpus = {}, {}
+    for tool in TOOLS:
+        mine = [r for r in runs if r.tool == tool]
+        if mine:
+            rates[tool] = sorted(r.ok / r.seconds for r in mine)[len(mine) // 2]
+            cpus[tool] = sorted(r.cpu_s / r.ok for r in mine)[len(mine) // 2]
+    if len(rates) == 2:
+        print(f"ratio pairforge/img2dataset (medians of {len(runs) // 2} run(s) each): "
+              f"images/s {rates['pairforge'] / rates['img2dataset']:.2f}x, "
+              f"CPU per image {cpus['img2dataset'] / cpus['pairforge']:.2f}x less", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=10_000)
+    parser.add_argument("--hosts", type=int, default=1)
+    parser.add_argument("--photos", default="web", help="web (640-2,048 px), coco, or px")
+    parser.add_argument("--set", action="append", default=[], dest="overrides",
+                        help="a pairforge config override (repeatable)")
+    parser.add_argument("--setups", action="store_true", help="the four setups of issue 18")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--only", choices=TOOLS)
+    parser.add_argument("--server", choices=["nginx", "python"], default="nginx")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--threads", type=int, default=32)
     parser.add_argument("--shard-size", type=int, default=1000)
-    parser.add_argument("--image-size", type=int, default=256)
+    parser.add_argument("--verbose", action="store_true", help="CPU and RSS per process")
     args = parser.parse_args()
-    ensure_img2dataset()
-    server, base_url = start_server(DATA / "coco-sample" / "images")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            inp = Path(tmp) / "input.parquet"
-            make_input(base_url, args.rows, inp)
-            i2d_s = run_img2dataset(inp, Path(tmp) / "i2d", args)
-            i2d_ok = count_img2dataset(Path(tmp) / "i2d")
-            ray_s, pf_s, pf_ok = run_pairforge(inp, Path(tmp) / "pf", args)
-    finally:
-        server.terminate()
-    i2d_rate, pf_rate, pf_cold = i2d_ok / i2d_s, pf_ok / pf_s, pf_ok / (pf_s + ray_s)
-    print(f"rows={args.rows} processes={args.processes} threads={args.threads} "
-          f"resize=keep_ratio {args.image_size} jpg")
-    print(f"img2dataset           : {i2d_ok:6d} ok in {i2d_s:6.2f} s = {i2d_rate:7.1f} images/s"
-          " (whole command, process pool start included)")
-    print(f"pairforge, Ray up     : {pf_ok:6d} ok in {pf_s:6.2f} s = {pf_rate:7.1f} images/s"
-          " (+ pixel hash + phash; task start included)")
-    print(f"pairforge + Ray start : {pf_ok:6d} ok in {pf_s + ray_s:6.2f} s = {pf_cold:7.1f} "
-          f"images/s (local Ray took {ray_s:.1f} s to start)")
-    print(f"ratio pairforge/img2dataset = {pf_rate / i2d_rate:.2f}x with Ray up, "
-          f"{pf_cold / i2d_rate:.2f}x counting Ray's start")
+    if args.only != "pairforge":
+        ensure_img2dataset()
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs; "
+          f"{args.processes} processes x {args.threads} threads, shards of {args.shard_size}, "
+          "keep_ratio 256 jpg q95")
+    setups = SETUPS if args.setups else [
+        ("custom", args.hosts, args.photos, args.rows, args.overrides)]
+    for setup in setups:
+        run_setup(*setup, args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,201 @@
+"""Where stage 1's CPU goes per image: the Pillow floor, the image pass, fetching, a shard.
+
+    python bench/stage1_profile.py                 # photos at 1,280 px (bench/photoset.py)
+    python bench/stage1_profile.py --photos web    # 640-2,048 px; --photos coco: as shipped
+
+CPU time, not wall time: the build machine is shared, and CPU per image is what decides
+how many images a core turns out. Four measurements, each the best of --repeats passes:
+
+1. The Pillow floor: the calls an image pass cannot skip, one image at a time on one
+   thread: open + JPEG draft + decode, Pillow bicubic resize to keep_ratio 256, JPEG q95
+   encode, sha256 of the body, sha256 of the decoded pixels, the 64-bit phash. The libvips
+   resize the stage uses is timed beside Pillow's.
+2. ``process_image`` (the stage's image pass: checks, EXIF, the three hashes, resize, encode).
+3. ``Fetcher.fetch`` of the same photos from nginx (bench/webhost.py), 32 threads: the
+   process's CPU per image (Python's HTTP client, the socket reads).
+4. ``download_shard`` in this process (no Ray), 32 threads: the whole task of one shard
+   (fetch, image pass, tar and parquet writing), with per-call CPU of its parts.
+
+What Ray adds (starting it, each worker's imports, its own processes) is measured by
+bench/download.py --verbose, which sums CPU over the whole process tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from photoset import describe, photo_set  # noqa: E402
+from webhost import start_hosts  # noqa: E402
+
+from pairforge.config import DownloadConfig, ImageConfig, load_config  # noqa: E402
+from pairforge.filters.hashing import phash_u64  # noqa: E402
+from pairforge.pipeline import download  # noqa: E402
+from pairforge.pipeline.fetch import Fetcher  # noqa: E402
+from pairforge.pipeline.imageproc import process_image  # noqa: E402
+from pairforge.pipeline.resample import downscale  # noqa: E402
+from pairforge.pipeline.runner import input_shards  # noqa: E402
+from pairforge.shards import raw  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZE = 256
+
+
+def best_ms(fn: Callable, items: list, repeats: int) -> float:
+    """Best thread-CPU ms per item over ``repeats`` passes."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        for item in items:
+            fn(item)
+        best = min(best, (time.thread_time() - start) / len(items) * 1e3)
+    return best
+
+
+def keep_ratio(width: int, height: int) -> tuple[int, int]:
+    scale = SIZE / min(width, height)
+    return round(width * scale), round(height * scale)
+
+
+def decode(body: bytes) -> tuple[Image.Image, tuple[int, int]]:
+    image = Image.open(io.BytesIO(body))
+    target = keep_ratio(*image.size)
+    image.draft("RGB", target)
+    image.load()
+    return image, target
+
+
+def encode(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=95)
+    return buffer.getvalue()
+
+
+def floor(bodies: list[bytes], repeats: int) -> None:
+    decoded = [decode(b) for b in bodies]
+    resized = [image.resize(target, Image.Resampling.BICUBIC) for image, target in decoded]
+    parts = {
+        "open + draft + decode": best_ms(decode, bodies, repeats),
+        "resize, Pillow bicubic": best_ms(
+            lambda d: d[0].resize(d[1], Image.Resampling.BICUBIC), decoded, repeats),
+        "encode JPEG q95": best_ms(encode, resized, repeats),
+        "sha256 of the body": best_ms(lambda b: hashlib.sha256(b).digest(), bodies, repeats),
+        "sha256 of the pixels": best_ms(
+            lambda d: hashlib.sha256(d[0].tobytes()).digest(), decoded, repeats),
+        "phash": best_ms(lambda d: phash_u64(d[0]), decoded, repeats),
+    }
+    vips = best_ms(lambda d: downscale(d[0].tobytes(), d[0].size, d[1]), decoded, repeats)
+    print("1. Pillow floor, ms CPU per image:")
+    for name, ms in parts.items():
+        print(f"   {name:28s} {ms:6.2f}")
+    total = sum(parts.values())
+    with_vips = total - parts["resize, Pillow bicubic"] + vips
+    print(f"   {'floor (sum)':28s} {total:6.2f}")
+    print(f"   resize with libvips (stage) {vips:6.2f}  -> floor with it {with_vips:.2f}")
+
+
+def image_pass(bodies: list[bytes], repeats: int) -> None:
+    cfg = ImageConfig(image_size=SIZE, encode_quality=95)
+    ms = best_ms(lambda b: process_image(b, cfg), bodies, repeats)
+    print(f"2. process_image: {ms:.2f} ms CPU per image")
+
+
+def fetching(urls: list[str], repeats: int) -> None:
+    cfg = DownloadConfig(allow_addresses=["127.0.0.0/8"])
+    best = float("inf")
+    for _ in range(repeats):
+        with Fetcher(cfg) as fetcher, ThreadPoolExecutor(32) as pool:
+            start = time.process_time()
+            results = list(pool.map(fetcher.fetch, urls))
+            best = min(best, (time.process_time() - start) / len(urls) * 1e3)
+    ok = sum(r.body is not None for r in results)
+    print(f"3. Fetcher.fetch, 32 threads: {best:.2f} ms CPU per image ({ok}/{len(urls)} ok)")
+
+
+class _Timers:
+    """Thread-CPU per call of some functions, summed over every thread."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._lock = threading.Lock()
+
+    def wrap(self, owner: object, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.seconds[label] += time.thread_time() - start
+
+        setattr(owner, name, timed)
+
+
+def shard(urls: list[str], repeats: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        inp = Path(tmp) / "in.parquet"
+        pq.write_table(pa.table({"URL": urls, "TEXT": [f"a photo, {i}" for i in range(len(urls))]}),
+                       inp)
+        timers = _Timers()
+        timers.wrap(download.Fetcher, "fetch", "fetch")
+        timers.wrap(download, "process_image", "process_image")
+        timers.wrap(raw.RawShardWriter, "add", "tar + row (writer.add)")
+        timers.wrap(raw.RawShardWriter, "close", "parquet + stats (writer.close)")
+        best, parts = float("inf"), {}
+        for run in range(repeats):
+            cfg = load_config(ROOT / "bench" / "dl.yaml", [
+                f"input.path={inp}", f"output.path={Path(tmp) / f'out{run}'}",
+                f"input.shard_size={len(urls)}"])
+            timers.seconds.clear()
+            with input_shards(cfg) as shards:
+                start = time.process_time()
+                download.download_shard(shards[0], cfg)
+                cpu = (time.process_time() - start) / len(urls) * 1e3
+            if cpu < best:
+                best, parts = cpu, {k: v / len(urls) * 1e3 for k, v in timers.seconds.items()}
+    print(f"4. download_shard, 32 threads, no Ray: {best:.2f} ms CPU per image; of it:")
+    for name, ms in parts.items():
+        print(f"   {name:32s} {ms:6.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--photos", default="1280", help="web, coco, or a size in px")
+    parser.add_argument("--images", type=int, default=200, help="photos in steps 1 and 2")
+    parser.add_argument("--rows", type=int, default=1000, help="rows in steps 3 and 4")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    folder = photo_set(args.photos)
+    files = sorted(folder.glob("*.jpg"))
+    bodies = [f.read_bytes() for f in files[:args.images]]
+    print(f"{describe(folder)}; keep_ratio {SIZE} jpg q95")
+    floor(bodies, args.repeats)
+    image_pass(bodies, args.repeats)
+    hosts = start_hosts(folder)
+    try:
+        urls = [f"{hosts.base_urls[0]}/{files[i % len(files)].name}" for i in range(args.rows)]
+        print(f"(served by {hosts.server})")
+        fetching(urls, args.repeats)
+        shard(urls, args.repeats)
+    finally:
+        hosts.close()
+
+
+if __name__ == "__main__":
+    main()
