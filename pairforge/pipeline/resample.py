@@ -2,7 +2,7 @@
 
 The resize is the largest cost of the download pass after decoding. Measured on this
 project's build machine (bench/stage1_profile.py, photos at 1,280 px drafted to 640x480,
-down to 341x256): Pillow bicubic 3.4 ms, libvips Lanczos-3 1.3 ms including the copies
+down to 341x256): Pillow bicubic 3.4-3.5 ms, libvips Lanczos-3 1.3-1.5 ms with the copies
 in and out, and libvips is the closer of the two to a Lanczos resize of the full-size
 decode (46 against 43 dB PSNR). Upscaling stays with Pillow: libvips places upsampled
 pixel centres differently from Pillow and albumentations (28 dB apart).
