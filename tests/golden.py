@@ -2,8 +2,9 @@
 
 A refactor must not change what the pipeline writes. ``tests/test_golden.py`` builds this
 dataset and compares the digest of every file in it with ``tests/data/golden_digest.json``.
-After a change that is meant to change the output, regenerate the fixture and say why in
-the commit:
+After a change that is meant to change the output, bump the stage's entry in
+``pipeline/settings.OUTPUT_VERSIONS`` (so reruns redo shards an older pairforge wrote),
+regenerate the fixture and say why in the commit:
 
     python tests/golden.py --update
 

@@ -181,3 +181,12 @@ def test_a_stage_1_setting_change_is_caught_too(built):
     build = _cli("build", str(config), "--set", "download.image.image_size=32")
     assert build.returncode == 2 and "download.image.image_size" in build.stderr
     assert _stats(out, "raw") == raw_before
+
+
+def test_the_output_version_is_a_setting():
+    from pairforge.pipeline import settings
+
+    values = stage_settings(_cfg(), "download")
+    assert values["output_version"] == settings.OUTPUT_VERSIONS["download"]
+    assert stage_settings(_cfg(), "process")["output_version"] == settings.OUTPUT_VERSIONS[
+        "process"]

@@ -26,6 +26,10 @@ PERFORMANCE_KEYS = {"threads", "processes", "per_host_connections", "timeout", "
                     "backoff", "max_retry_after", "user_agent_token", "pool_size",
                     "batch_size", "num_cpus", "num_gpus", "resources", "torch_threads",
                     "concurrency", "timeout_s", "workers", "storage_options"}
+# The version of what each stage writes for given settings. Bump it with any change that
+# makes a stage write other bytes under the same settings (tests/test_golden.py fails on
+# such a change), so that reruns redo the shards an older pairforge wrote.
+OUTPUT_VERSIONS = {"download": 2, "process": 1}  # download 2: libvips downscaling
 # Config keys naming model files whose bytes decide stage-3 output.
 MODEL_KEYS = ("process.clip.pretrained", "process.clip.model_config_path",
               "process.recaption.model", "process.tokenize.image.path_or_id",
@@ -67,7 +71,7 @@ def file_fingerprint(path: Path) -> str:
 def stage_settings(cfg: PairforgeConfig, stage: str) -> dict[str, Any]:
     """``{dotted key: value}`` of what decides the stage's bytes, model files included."""
     dumped = cfg.model_dump(mode="json")
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"output_version": OUTPUT_VERSIONS[stage]}
     for section in STAGE_SECTIONS[stage]:
         values.update(_flatten(dumped[section], f"{section}."))
     if stage == "process":
