@@ -121,6 +121,10 @@ def build(models: Path = PACKAGE / "sample", root: Path = ROOT) -> Path:
     from loopback_server import LoopbackServer
 
     shutil.rmtree(root, ignore_errors=True)
+    # the models are copied under the fixed root: their paths are part of the bytes
+    # (settings, cache folder names), and a checkout may be anywhere
+    for name in ("captioner", "vq32"):
+        shutil.copytree(models / name, root / "models" / name)
 
     rows = draw_scenes(root / "images")
     clip = tiny_clip(root / "clip")
@@ -129,7 +133,7 @@ def build(models: Path = PACKAGE / "sample", root: Path = ROOT) -> Path:
         lines += [f"{server.url('/status/404')},a page that is gone",
                   f"{server.url('/img/' + rows[2][0])},x"]  # one word: the basic filter
         (root / "in.csv").write_text("url,caption\n" + "\n".join(lines) + "\n")
-        cfg = golden_config(root / "in.csv", root / "out", clip, models)
+        cfg = golden_config(root / "in.csv", root / "out", clip, root / "models")
         (root / "golden.yaml").write_text(yaml.safe_dump(cfg))
         done = subprocess.run([sys.executable, "-m", "pairforge.cli", "build",
                                str(root / "golden.yaml"), "-q"], capture_output=True,
