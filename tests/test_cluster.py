@@ -66,7 +66,7 @@ def test_build_runs_across_the_nodes(ray_cluster, s3_cluster_build):
     assert {nodes[t["node"]] for t in downloads} == {"head", "gpu", "cpu"}
     # Stage 2 (hash reads) and stage 3 (the shard writer) ran as cluster tasks too.
     names = {t["name"] for t in build["tasks"]}
-    assert {"read_hash_columns", "_write_task"} <= names, names
+    assert {"read_hash_columns", "write_shard_task"} <= names, names
     # The tokenize pool asked for `gpu_like`: Ray placed its actors on "gpu" only.
     pool = [a for a in build["actors"] if "TokenizeStep" in a["class"]]
     assert pool and {nodes[a["node"]] for a in pool} == {"gpu"}, build["actors"]

@@ -231,10 +231,13 @@ def test_a_user_error_is_one_message_and_exit_2(name, tmp_path, monkeypatch):
     import ray
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the demo's model folders
+    ray_starts = []  # another test's session may have Ray up already: watch ray.init itself
+    monkeypatch.setattr(ray, "init", lambda *a, **k: ray_starts.append(a or k))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     argv, words = CASES[name](tmp_path)
     result = run_cli(argv)
     assert_user_error(result.output, result.exit_code, words)
-    assert not ray.is_initialized()  # it stopped before Ray started
+    assert not ray_starts  # it stopped before Ray started
     assert not (tmp_path / "out" / "raw").exists()
     assert not (tmp_path / "r.html").exists() and not (tmp_path / "s.png").exists()
 
