@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pairforge.config import PairforgeConfig
+from pairforge.pipeline.settings import process_expected
 from pairforge.records import Status, index_digits, shard_of_key
 from pairforge.shards.raw import completed_shards, stats_name
 from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, SCORES_FOLDER, OutputDir
@@ -49,8 +50,6 @@ def read_duplicates(out: OutputDir, cfg: PairforgeConfig) -> dict[int, Duplicate
 def plan_shards(out: OutputDir, cfg: PairforgeConfig, folder: str) -> list[ShardPlan]:
     """Complete raw shards not yet complete in ``folder``, with the rows to process: the
     raw shard's ok rows (from its stats file) less its duplicates (all of them ok rows)."""
-    from pairforge.pipeline.settings import process_expected
-
     duplicates = read_duplicates(out, cfg)
     pending = sorted(completed_shards(out, RAW_FOLDER) - completed_shards(out, folder))
     settings = process_expected(out, cfg)
