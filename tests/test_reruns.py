@@ -71,12 +71,13 @@ def test_a_changed_shard_is_named_with_its_keys_and_force_marks_it_incomplete(tm
         0: ["process.tasks.p_drop"], 1: ["process.tasks.p_drop"],
         3: ["(settings not recorded)"]}
     with pytest.raises(SettingsChanged) as err:
-        check_rerun(out, "shards", expected, "process", force=False)
+        check_rerun(out, [("process", "shards", expected)], force=False)
     message = str(err.value)
     assert "3 complete process shard(s)" in message and "00000, 00001, 00003" in message
     assert "process.tasks.p_drop" in message and "--force" in message
     assert len(list((tmp_path / "shards").glob("*_stats.json"))) == 4  # nothing touched
-    assert check_rerun(out, "shards", expected, "process", force=True) == [0, 1, 3]
+    assert check_rerun(out, [("process", "shards", expected)], force=True) == {
+        "process": [0, 1, 3]}
     assert sorted(p.name for p in (tmp_path / "shards").glob("*_stats.json")) == [
         "00002_stats.json"]
 

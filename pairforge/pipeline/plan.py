@@ -52,7 +52,7 @@ def plan_shards(out: OutputDir, cfg: PairforgeConfig, folder: str) -> list[Shard
     raw shard's ok rows (from its stats file) less its duplicates (all of them ok rows)."""
     duplicates = read_duplicates(out, cfg)
     pending = sorted(completed_shards(out, RAW_FOLDER) - completed_shards(out, folder))
-    settings = process_expected(out, cfg)
+    settings = process_expected(out, cfg, set(pending))
     plans = []
     for shard_id in pending:
         ok = out.read_json(RAW_FOLDER, stats_name(shard_id))["status"].get(Status.OK, 0)

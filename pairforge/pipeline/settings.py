@@ -118,49 +118,13 @@ def _describe(stage: str, folder: str, out: OutputDir, changed: dict[int, list[s
             f"{' ...' if len(keys) > 12 else ''}.")
 
 
-def check_rerun(out: OutputDir, folder: str, expected: dict[int, dict[str, Any]],
-                stage: str, force: bool) -> list[int]:
-    """Stop (exit 2) when complete shards were made under other settings, naming the keys;
-    with ``force``, mark them incomplete (their stats files go) and return their ids."""
-    changed = changed_shards(out, folder, expected)
-    if changed and not force:
-        raise SettingsChanged(f"{_describe(stage, folder, out, changed)} Rerun with --force "
-                              "to redo them, or write to another output.path.")
-    for shard_id in changed:
-        out.remove(folder, stats_name(shard_id))
-    return sorted(changed)
+Check = tuple[str, str, dict[int, dict[str, Any]]]  # stage, folder, expected per shard id
 
 
-def download_expected(out: OutputDir, cfg: PairforgeConfig) -> dict[int, dict[str, Any]]:
-    values = stage_settings(cfg, "download")
-    return {shard_id: values for shard_id in completed_shards(out, RAW_FOLDER)}
-
-
-def process_expected(out: OutputDir, cfg: PairforgeConfig,
-                     raw_digest: str | None = None) -> dict[int, dict[str, Any]]:
-    """Per raw shard: stage 3's settings plus the settings digest of the raw shard it is
-    made from (``raw_digest`` when stage 1 is about to remake them all under it)."""
-    values = stage_settings(cfg, "process")
-    expected = {}
-    for shard_id in completed_shards(out, RAW_FOLDER):
-        digest = raw_digest or (out.read_json(RAW_FOLDER, stats_name(shard_id))
-                                .get("settings") or {}).get("digest")
-        expected[shard_id] = {**values, "raw.settings": digest}
-    return expected
-
-
-def check_settings(cfg: PairforgeConfig, stages: tuple[str, ...], force: bool = False) -> None:
-    """Before any work: every complete shard the stages would skip was made under this
-    run's settings, or (``force``) it is marked incomplete and redone. All changes of all
-    stages are named in one message."""
-    out = OutputDir(cfg.output.path, cfg.output.storage_options)
-    checks = []
-    if "download" in stages:
-        checks.append(("download", RAW_FOLDER, download_expected(out, cfg)))
-    if "process" in stages:
-        raw_digest = (settings_digest(stage_settings(cfg, "download"))
-                      if "download" in stages else None)
-        checks.append(("process", SHARDS_FOLDER, process_expected(out, cfg, raw_digest)))
+def check_rerun(out: OutputDir, checks: list[Check], force: bool) -> dict[str, list[int]]:
+    """Stop (exit 2) when complete shards were made under other settings, naming the keys
+    of every stage in one message; with ``force``, mark them incomplete (their stats files
+    go, and a training shard's cached CLIP scores) and return their ids per stage."""
     found = [(stage, folder, changed_shards(out, folder, expected))
              for stage, folder, expected in checks]
     found = [f for f in found if f[2]]
@@ -173,4 +137,39 @@ def check_settings(cfg: PairforgeConfig, stages: tuple[str, ...], force: bool = 
         for shard_id in changed:
             out.remove(folder, stats_name(shard_id))
             if folder == SHARDS_FOLDER and out.exists(SCORES_FOLDER, f"{shard_id:05d}.parquet"):
-                out.remove(SCORES_FOLDER, f"{shard_id:05d}.parquet")  # CLIP's cached scores
+                out.remove(SCORES_FOLDER, f"{shard_id:05d}.parquet")
+    return {stage: sorted(changed) for stage, _, changed in found}
+
+
+def download_expected(out: OutputDir, cfg: PairforgeConfig) -> dict[int, dict[str, Any]]:
+    values = stage_settings(cfg, "download")
+    return {shard_id: values for shard_id in completed_shards(out, RAW_FOLDER)}
+
+
+def process_expected(out: OutputDir, cfg: PairforgeConfig, shard_ids: set[int],
+                     raw_digest: str | None = None) -> dict[int, dict[str, Any]]:
+    """Per shard id: stage 3's settings plus the settings digest of the raw shard it is
+    made from (``raw_digest`` when stage 1 is about to remake them all under it)."""
+    values = stage_settings(cfg, "process")
+    expected = {}
+    for shard_id in shard_ids:
+        digest = raw_digest or (out.read_json(RAW_FOLDER, stats_name(shard_id))
+                                .get("settings") or {}).get("digest")
+        expected[shard_id] = {**values, "raw.settings": digest}
+    return expected
+
+
+def check_settings(cfg: PairforgeConfig, stages: tuple[str, ...], force: bool = False) -> None:
+    """Before any work: every complete shard the stages would skip was made under this
+    run's settings, or (``force``) it is marked incomplete and redone. All changes of all
+    stages are named in one message."""
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
+    checks: list[Check] = []
+    if "download" in stages:
+        checks.append(("download", RAW_FOLDER, download_expected(out, cfg)))
+    if "process" in stages:
+        raw_digest = (settings_digest(stage_settings(cfg, "download"))
+                      if "download" in stages else None)
+        done = completed_shards(out, SHARDS_FOLDER) & completed_shards(out, RAW_FOLDER)
+        checks.append(("process", SHARDS_FOLDER, process_expected(out, cfg, done, raw_digest)))
+    check_rerun(out, checks, force)
