@@ -32,6 +32,9 @@ class Status(StrEnum):
     # stage 2: dedup
     DUPLICATE_EXACT = "duplicate_exact"
     DUPLICATE_NEAR = "duplicate_near"
+    DUPLICATE_MIRROR = "duplicate_mirror"
+    DUPLICATE_CROP = "duplicate_crop"
+    DUPLICATE_SEMANTIC = "duplicate_semantic"  # stage 3's optional CLIP-embedding pass
     # stage 3: process
     CAPTION_TOO_SHORT = "caption_too_short"
     CAPTION_TOO_LONG = "caption_too_long"
@@ -57,6 +60,12 @@ STATUS_HELP: dict[Status, str] = {
     Status.CAPTION_INVALID: "caption empty or not valid UTF-8",
     Status.DUPLICATE_EXACT: "identical decoded pixels to a kept sample",
     Status.DUPLICATE_NEAR: "perceptual hash within dedup.max_distance of a kept sample",
+    Status.DUPLICATE_MIRROR: "a left-right mirror of a kept sample (mirrored phash within "
+                             "dedup.max_distance)",
+    Status.DUPLICATE_CROP: "a cropped copy of a kept sample, or it of this one (a centre "
+                           "region's phash within dedup.max_distance)",
+    Status.DUPLICATE_SEMANTIC: "CLIP image embedding within dedup.semantic.threshold cosine "
+                               "of a kept sample",
     Status.CAPTION_TOO_SHORT: "caption has fewer words/characters than the filter allows",
     Status.CAPTION_TOO_LONG: "caption has more words/characters than the filter allows",
     Status.CAPTION_LANGUAGE: "caption language not in the allowed set",
@@ -80,18 +89,20 @@ RAW_COLUMNS: list[pa.Field] = [
     pa.field("sha256", pa.string()),
     pa.field("pixel_hash", pa.string()),
     pa.field("phash", pa.uint64()),
+    pa.field("phash_mirror", pa.uint64()),  # dedup only: see filters/hashing.py
+    pa.field("crop_phashes", pa.list_(pa.uint64())),  # dedup only: centre regions, mirrors
     pa.field("exif", pa.string()),
 ]
 
 # Only these are read by the dedup stage; it never opens images.
-HASH_COLUMNS = ["key", "status", "sha256", "pixel_hash", "phash", "original_width",
-                "original_height"]
+HASH_COLUMNS = ["key", "status", "sha256", "pixel_hash", "phash", "phash_mirror",
+                "crop_phashes", "original_width", "original_height"]
 
 
 # Columns stage 3 may add to the raw record, in the order they appear in its parquet. Steps
 # declare what they provide by name from here, so every column has one type everywhere.
 PROCESS_COLUMNS: dict[str, pa.DataType] = {
-    "duplicate_of": pa.string(),  # the kept key, for duplicate_exact/duplicate_near rows
+    "duplicate_of": pa.string(),  # the kept key, for duplicate_* rows
     "clip_score": pa.float32(),
     "clip_embedding": pa.list_(pa.float32()),  # written to OUT/embeddings, not the parquet
     "recaption": pa.string(),

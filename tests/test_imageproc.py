@@ -402,12 +402,7 @@ def test_phash_is_the_shared_phash_of_the_decoded_image():
 def _imagehash_u64(image: Image.Image) -> int:
     import imagehash
 
-    from pairforge.filters.hashing import PHASH_SOURCE_SIDE
-
-    grey = image.convert("L")
-    factor = min(grey.size) // PHASH_SOURCE_SIDE
-    grey = grey.reduce(factor) if factor >= 2 else grey
-    return int("".join("1" if b else "0" for b in imagehash.phash(grey).hash.flatten()), 2)
+    return int("".join("1" if b else "0" for b in imagehash.phash(image).hash.flatten()), 2)
 
 
 @pytest.mark.parametrize("image", [

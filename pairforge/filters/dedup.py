@@ -7,6 +7,17 @@ Three kinds of evidence link two samples into one cluster:
 * the same 64-bit perceptual hash (joined in linear time through one node per value);
 * perceptual hashes within ``max_distance`` bits, found without comparing all pairs.
 
+Every row brings several perceptual hashes, its *points* (``filters/hashing.py``): the
+whole image (``phash``), the whole image mirrored (``phash_mirror``) and centre regions with
+their mirrors (``crop_phashes``). All points of all rows go into one pool of distinct
+values; a row is linked to each of its points, and two points within ``max_distance`` are
+linked. So an image and its mirror are one point to the join (A's mirror hash meets B's
+hash), and a copy with its borders cut meets its original through the original's centre
+region hash. Each dropped row is then labelled by the direct evidence between it and its
+cluster's survivor, strongest first: exact (same pixels), near (whole-image hashes within
+the distance), mirror (whole against mirrored), crop (any pair involving a region hash);
+a row linked to its survivor only through other members is labelled near.
+
 Near pairs come from the pigeonhole principle. Split the hash into ``m`` bands: two
 hashes at Hamming distance ``<= t`` differ in at most ``t`` bands, so they agree exactly
 on at least ``k = m - t`` bands. Sorting by every combination of ``k`` bands and pairing
@@ -30,6 +41,7 @@ how the work was split.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -74,10 +86,14 @@ _NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
 # A row kept out of the exact join (no pixel hash and no sha256).
 _NO_CODE = -1
 
+HASH_LIST = pa.list_(pa.uint64())
+
 ROWS_SCHEMA = pa.schema([
     pa.field("key", pa.string()),
     pa.field("exact", pa.string()),
     pa.field("phash", pa.uint64()),
+    pa.field("phash_mirror", pa.uint64()),
+    pa.field("crop_phashes", HASH_LIST),
     pa.field("original_width", pa.int32()),
     pa.field("original_height", pa.int32()),
 ])
@@ -87,6 +103,8 @@ INDEX_SCHEMA = pa.schema([
     pa.field("source", pa.string()),
     pa.field("pixel_hash", pa.string()),
     pa.field("phash", pa.uint64()),
+    pa.field("phash_mirror", pa.uint64()),
+    pa.field("crop_phashes", HASH_LIST),
     pa.field("original_width", pa.int32()),
     pa.field("original_height", pa.int32()),
 ])
@@ -97,8 +115,11 @@ DUPLICATES_SCHEMA = pa.schema([
     pa.field("cluster_id", pa.string()),
     pa.field("kept_key", pa.string()),
     pa.field("kept_source", pa.string()),  # null: kept in this build; else the index's source
-    pa.field("distance", pa.int32()),  # phash bits to the kept sample (null without phash)
+    pa.field("distance", pa.int32()),  # hash bits of the evidence (null without phash)
 ])
+
+# Columns of the point matrix (see _points): the whole image, its mirror, then regions.
+_WHOLE, _MIRROR, _REGIONS = 0, 1, 2
 
 
 # --------------------------------------------------------------------------- near pairs
@@ -437,6 +458,14 @@ def is_degenerate(phash: np.ndarray) -> np.ndarray:
     return (bits < DEGENERATE_MIN_BITS) | (bits > HASH_BITS - DEGENERATE_MIN_BITS)
 
 
+def _column(table: pa.Table, name: str, dtype: pa.DataType) -> pa.ChunkedArray | pa.Array:
+    """A column cast to ``dtype``, or nulls when the table predates it (older raw shards and
+    indexes have no mirror or region hashes: their rows join on the whole-image hash)."""
+    if name in table.column_names:
+        return table[name].cast(dtype)
+    return pa.nulls(len(table), dtype)
+
+
 def prepare_rows(raw: pa.Table) -> pa.Table:
     """Hash columns of a raw shard table -> ok rows in ROWS_SCHEMA.
 
@@ -453,6 +482,8 @@ def prepare_rows(raw: pa.Table) -> pa.Table:
         "key": raw["key"].cast(pa.string()),
         "exact": exact.cast(pa.string()),
         "phash": raw["phash"].cast(pa.uint64()),
+        "phash_mirror": _column(raw, "phash_mirror", pa.uint64()),
+        "crop_phashes": _column(raw, "crop_phashes", HASH_LIST),
         "original_width": raw["original_width"].cast(pa.int32()),
         "original_height": raw["original_height"].cast(pa.int32()),
     }, schema=ROWS_SCHEMA)
@@ -464,6 +495,8 @@ def index_rows(index: pa.Table) -> pa.Table:
         "key": index["key"].cast(pa.string()),
         "exact": index["pixel_hash"].cast(pa.string()),
         "phash": index["phash"].cast(pa.uint64()),
+        "phash_mirror": _column(index, "phash_mirror", pa.uint64()),
+        "crop_phashes": _column(index, "crop_phashes", HASH_LIST),
         "original_width": index["original_width"].cast(pa.int32()),
         "original_height": index["original_height"].cast(pa.int32()),
         "source": index["source"].cast(pa.string()),
@@ -474,6 +507,26 @@ def _u64(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Values (nulls as 0) and validity of a uint64 column, without a float detour."""
     valid = pc.is_valid(column).to_numpy(zero_copy_only=False)
     values = pc.fill_null(column, 0).to_numpy(zero_copy_only=False).astype(np.uint64)
+    return values, valid
+
+
+def _points(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, K) matrix of every row's hashes and their validity: whole image, mirror, then
+    the region hashes (K - 2 of them: the longest crop_phashes list present)."""
+    whole, whole_ok = _u64(table["phash"])
+    mirror, mirror_ok = _u64(table["phash_mirror"])
+    crops = table["crop_phashes"].combine_chunks()
+    lengths = pc.fill_null(pc.list_value_length(crops), 0).to_numpy(zero_copy_only=False)
+    width = int(lengths.max(initial=0))
+    values = np.zeros((len(table), 2 + width), dtype=np.uint64)
+    valid = np.zeros((len(table), 2 + width), dtype=bool)
+    values[:, _WHOLE], valid[:, _WHOLE] = whole, whole_ok
+    values[:, _MIRROR], valid[:, _MIRROR] = mirror, mirror_ok
+    if width:
+        flat, flat_ok = _u64(pc.list_flatten(crops))
+        rows = np.repeat(np.arange(len(table)), lengths)
+        cols = _REGIONS + np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        values[rows, cols], valid[rows, cols] = flat, flat_ok
     return values, valid
 
 
@@ -497,25 +550,25 @@ def survivor_order(keys: pa.Array, sources: pa.Array, from_index: np.ndarray,
 
 @dataclass
 class _Graph:
-    """Rows, one node per exact hash, one node per distinct usable phash, and links."""
+    """Rows, one node per exact hash, one node per distinct usable hash value, and links."""
 
     rows: int
     exact_codes: np.ndarray  # per row, _NO_CODE when the row has no exact hash
-    phash_values: np.ndarray  # distinct usable phash values
-    phash_node: np.ndarray  # per row, index into phash_values or -1
-    near: np.ndarray  # (P, 2) pairs of indices into phash_values
+    hash_values: np.ndarray  # distinct usable hash values (all points of all rows)
+    hash_node: np.ndarray  # (rows, K): per point, index into hash_values or -1
+    near: np.ndarray  # (P, 2) pairs of indices into hash_values
 
     def components(self) -> np.ndarray:
         n_exact = int(self.exact_codes.max(initial=-1)) + 1
-        exact_base, phash_base = self.rows, self.rows + n_exact
-        total = phash_base + len(self.phash_values)
+        exact_base, hash_base = self.rows, self.rows + n_exact
+        total = hash_base + len(self.hash_values)
         row_ids = np.arange(self.rows)
-        has_exact, has_phash = self.exact_codes >= 0, self.phash_node >= 0
-        src = np.concatenate([row_ids[has_exact], row_ids[has_phash],
-                              phash_base + self.near[:, 0]])
+        has_exact = self.exact_codes >= 0
+        point_rows, point_cols = np.nonzero(self.hash_node >= 0)
+        src = np.concatenate([row_ids[has_exact], point_rows, hash_base + self.near[:, 0]])
         dst = np.concatenate([exact_base + self.exact_codes[has_exact],
-                              phash_base + self.phash_node[has_phash],
-                              phash_base + self.near[:, 1]])
+                              hash_base + self.hash_node[point_rows, point_cols],
+                              hash_base + self.near[:, 1]])
         adjacency = coo_matrix((np.ones(len(src), dtype=np.int8), (src, dst)),
                                shape=(total, total)).tocsr()
         _, labels = connected_components(adjacency, directed=False)
@@ -528,10 +581,10 @@ def _exact_codes(exact: pa.ChunkedArray) -> np.ndarray:
                                                             ).astype(np.int64)
 
 
-def _phash_nodes(phash: np.ndarray, usable: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    values, inverse = np.unique(phash[usable], return_inverse=True)
-    node = np.full(len(phash), -1, dtype=np.int64)
-    node[usable] = inverse
+def _hash_nodes(points: np.ndarray, usable: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    values, inverse = np.unique(points[usable], return_inverse=True)
+    node = np.full(points.shape, -1, dtype=np.int64)
+    node[usable] = inverse.reshape(-1)
     return values, node
 
 
@@ -558,31 +611,67 @@ def _combined(rows: pa.Table, index: pa.Table | None) -> tuple[pa.Table, np.ndar
     return pa.concat_tables([new, old]).combine_chunks(), from_index
 
 
+def _min_distance(a: np.ndarray, a_ok: np.ndarray, b: np.ndarray, b_ok: np.ndarray,
+                  pairs: list[tuple[int, int]]) -> np.ndarray:
+    """Per row, the fewest bits between point i of ``a`` and point j of ``b`` over
+    ``pairs`` (i, j) where both are valid; HASH_BITS + 1 when none is."""
+    best = np.full(len(a), HASH_BITS + 1, dtype=np.int64)
+    for i, j in pairs:
+        if i >= a.shape[1] or j >= b.shape[1]:
+            continue
+        d = np.bitwise_count(a[:, i] ^ b[:, j]).astype(np.int64)
+        best = np.minimum(best, np.where(a_ok[:, i] & b_ok[:, j], d, HASH_BITS + 1))
+    return best
+
+
+def evidence(row_points: np.ndarray, row_ok: np.ndarray, kept_points: np.ndarray,
+             kept_ok: np.ndarray, exact: np.ndarray, max_distance: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Kind (a Status value) and distance in bits of the direct evidence between each
+    dropped row and its survivor, strongest first: exact, near, mirror, crop. A row with no
+    direct evidence (linked through other members) is near, at its whole-image distance."""
+    k = row_points.shape[1]
+    near = _min_distance(row_points, row_ok, kept_points, kept_ok, [(_WHOLE, _WHOLE)])
+    mirror = _min_distance(row_points, row_ok, kept_points, kept_ok,
+                           [(_WHOLE, _MIRROR), (_MIRROR, _WHOLE)])
+    crop = _min_distance(row_points, row_ok, kept_points, kept_ok,
+                         [(i, j) for i in range(k) for j in range(kept_points.shape[1])
+                          if i >= _REGIONS or j >= _REGIONS])
+    kind = np.select([exact, near <= max_distance, mirror <= max_distance,
+                      crop <= max_distance],
+                     [Status.DUPLICATE_EXACT.value, Status.DUPLICATE_NEAR.value,
+                      Status.DUPLICATE_MIRROR.value, Status.DUPLICATE_CROP.value],
+                     Status.DUPLICATE_NEAR.value)
+    distance = np.select([exact | (near <= max_distance), mirror <= max_distance,
+                          crop <= max_distance], [near, mirror, crop], near)
+    return kind, distance
+
+
 def _duplicates_table(table: pa.Table, dropped: np.ndarray, kept: np.ndarray,
-                      exact_losers: np.ndarray, phash: np.ndarray, phash_ok: np.ndarray
-                      ) -> pa.Table:
+                      exact_losers: np.ndarray, points: np.ndarray, valid: np.ndarray,
+                      max_distance: int) -> pa.Table:
     """One row per dropped sample, sorted by key.
 
     ``kind`` is exact when the row's pixels also belong to a better-ranked row (exact
-    dedup alone would drop it), near otherwise; ``kept_key`` is always the cluster's
-    survivor and ``distance`` the phash bits between the row and that survivor.
+    dedup alone would drop it), else the direct evidence to the survivor (see
+    :func:`evidence`); ``kept_key`` is always the cluster's survivor and ``distance`` the
+    bits of that evidence (null when a hash is missing).
     """
     rows, kept = np.flatnonzero(dropped), kept[dropped]
-    exact = exact_losers[rows]
-    both = phash_ok[rows] & phash_ok[kept]
-    distance = np.bitwise_count(phash[rows] ^ phash[kept]).astype(np.int32)
+    kind, distance = evidence(points[rows], valid[rows], points[kept], valid[kept],
+                              exact_losers[rows], max_distance)
     kept_key = table["key"].take(kept)
     kept_source = table["source"].take(kept)
     cluster = pc.if_else(pc.is_null(kept_source), kept_key,
                          pc.binary_join_element_wise(kept_source, kept_key, ":"))
-    kind = np.where(exact, Status.DUPLICATE_EXACT.value, Status.DUPLICATE_NEAR.value)
     out = pa.table({
         "key": table["key"].take(rows),
         "kind": pa.array(kind, pa.string()),
         "cluster_id": cluster,
         "kept_key": kept_key,
         "kept_source": kept_source,
-        "distance": pa.array(distance, pa.int32(), mask=~both),
+        "distance": pa.array(distance.astype(np.int32), pa.int32(),
+                             mask=distance > HASH_BITS),
     }, schema=DUPLICATES_SCHEMA)
     return out.take(pc.sort_indices(out, sort_keys=[("key", "ascending")]))
 
@@ -609,25 +698,27 @@ def _exact_losers(exact_codes: np.ndarray, rank: np.ndarray) -> np.ndarray:
     return losers
 
 
+HASH_KINDS = (Status.DUPLICATE_EXACT, Status.DUPLICATE_NEAR, Status.DUPLICATE_MIRROR,
+              Status.DUPLICATE_CROP)
+
+
 def _stats(duplicates: pa.Table, from_index: np.ndarray, labels: np.ndarray,
            dropped: np.ndarray, uninformative: np.ndarray, phash_ok: np.ndarray,
            near: NearPairs, n_values: int, max_distance: int) -> dict[str, int | str]:
     new = ~from_index
-    exact_n = int(pc.sum(pc.equal(duplicates["kind"], Status.DUPLICATE_EXACT.value)
-                         ).as_py() or 0)
+    kinds = Counter(duplicates["kind"].to_pylist())
     plan = plan_bands(n_values, HASH_BITS, max_distance) if max_distance > 0 else None
     return {
         "ok_rows": int(new.sum()),
         "index_rows": int(from_index.sum()),
         "duplicates": len(duplicates),
-        "duplicate_exact": exact_n,
-        "duplicate_near": len(duplicates) - exact_n,
+        **{kind.value: kinds.get(kind.value, 0) for kind in HASH_KINDS},
         "dropped_for_index": int(pc.sum(pc.is_valid(duplicates["kept_source"])).as_py() or 0),
         "clusters": len(np.unique(labels[dropped])),
         "kept": int(new.sum()) - len(duplicates),
         "degenerate_hashes": int((uninformative & new).sum()),
         "missing_phash": int((~phash_ok & new).sum()),
-        "distinct_phashes": n_values,
+        "distinct_phashes": n_values,  # distinct values over all points (whole, mirror, crop)
         "dense_phashes": len(near.dense),
         "near_pairs": len(near.pairs),
         "max_distance": max_distance,
@@ -640,26 +731,27 @@ def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = 
     """Decide which of ``rows`` (ROWS_SCHEMA, ok rows) are duplicates.
 
     ``index`` (INDEX_SCHEMA) holds rows of earlier builds: they take part in every join
-    and always survive, so a new row that matches one is dropped in its favour. Rows with
-    a missing, degenerate or dense phash only take part in the exact join. ``mapper``
-    runs the band combinations (locally by default; the stage passes a Ray one).
+    and always survive, so a new row that matches one is dropped in its favour. Hashes
+    that are missing, degenerate or dense stay out of the perceptual join (a row whose
+    hashes all are only takes part in the exact join). ``mapper`` runs the band
+    combinations (locally by default; the stage passes a Ray one).
     """
     _check_unique_keys(rows["key"])
     table, from_index = _combined(rows, index)
-    phash, phash_ok = _u64(table["phash"])
-    values, node = _phash_nodes(phash, phash_ok & ~is_degenerate(phash))
+    points, valid = _points(table)
+    values, node = _hash_nodes(points, valid & ~is_degenerate(points))
     near = near_pairs(values, max_distance, mapper)
-    node[np.isin(node, near.dense)] = -1  # dense hashes leave the phash join too
-    uninformative = phash_ok & (node < 0)
+    node[np.isin(node, near.dense)] = -1  # dense hashes leave the perceptual join too
+    uninformative = valid[:, _WHOLE] & (node[:, _WHOLE] < 0)
     graph = _Graph(len(table), _exact_codes(table["exact"]), values, node, near.pairs)
     labels = graph.components()
     rank = _rank(table, from_index)
     kept = _best_of_groups(labels, rank)
     dropped = (kept != np.arange(len(table))) & ~from_index
     exact = _exact_losers(graph.exact_codes, rank)
-    duplicates = _duplicates_table(table, dropped, kept, exact, phash, phash_ok)
-    stats = _stats(duplicates, from_index, labels, dropped, uninformative, phash_ok, near,
-                   len(values), max_distance)
+    duplicates = _duplicates_table(table, dropped, kept, exact, points, valid, max_distance)
+    stats = _stats(duplicates, from_index, labels, dropped, uninformative, valid[:, _WHOLE],
+                   near, len(values), max_distance)
     return DedupResult(duplicates, stats)
 
 
@@ -676,12 +768,20 @@ def next_index(rows: pa.Table, duplicates: pa.Table, source: str,
         "source": pa.array([source] * len(kept), pa.string()),
         "pixel_hash": kept["exact"],
         "phash": kept["phash"],
+        "phash_mirror": kept["phash_mirror"],
+        "crop_phashes": kept["crop_phashes"],
         "original_width": kept["original_width"],
         "original_height": kept["original_height"],
     }, schema=INDEX_SCHEMA)
-    parts = [] if previous is None else [previous.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)]
+    parts = [] if previous is None else [as_index(previous)]
     merged = pa.concat_tables([*parts, new]).combine_chunks()
     return _drop_repeated_rows(merged)
+
+
+def as_index(table: pa.Table) -> pa.Table:
+    """An index of any pairforge version in INDEX_SCHEMA (missing hash columns as nulls)."""
+    return pa.table({f.name: _column(table, f.name, f.type) for f in INDEX_SCHEMA},
+                    schema=INDEX_SCHEMA)
 
 
 def _drop_repeated_rows(index: pa.Table) -> pa.Table:

@@ -1,8 +1,9 @@
-"""The three hashes of DESIGN.md section 3, computed in the download pass."""
+"""The hashes of DESIGN.md section 3, computed in the download pass."""
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
@@ -28,32 +29,73 @@ def pixel_hash_hex(image: Image.Image, pixels: bytes | None = None) -> str:
     return digest.hexdigest()[:32]
 
 
-# phash looks at a 32x32 Lanczos thumbnail. Lanczos from a 300 px photo down to 32 px is
-# the most expensive step of the whole download pass after the resize, so the grey image
-# is first box-reduced (cheap, exact averaging) to a smaller side of at least this.
-PHASH_SOURCE_SIDE = 64
+# phash looks at a 32x32 Lanczos thumbnail taken straight from the decoded image. Pillow's
+# Lanczos widens its kernel with the reduction factor (true area-weighted antialiasing), so
+# the thumbnail of a photo and of its 0.5x or 2x resize are nearly the same pixels. An
+# earlier box pre-reduction by an integer factor (min side // 64) made the two sides see
+# different grids (factor 3 at 300 px, 1 at 150 px, 7 at 600 px) and moved 0.5x/2x copies
+# past 4 bits (issue 19); the reduction was a speed trick that the separable resize,
+# whose cost grows with the output width (32 px), does not need.
 _PHASH_SIDE, _PHASH_BITS_SIDE = 32, 8
 # imagehash.phash takes scipy.fftpack's unnormalised DCT-II of the 32x32 thumbnail along
 # both axes and keeps the 8x8 lowest frequencies: y[k] = 2 sum_n x[n] cos(pi k (2n+1) / 2N).
 # These are its first 8 rows as a matrix: two small products instead of two FFT calls, and
-# no scipy import in every download worker (0.35 s of CPU and 27 MiB each). Same bits.
+# no scipy import in every download worker (0.35 s of CPU and 27 MiB each).
 _DCT_ROWS = 2 * np.cos(np.pi * np.arange(_PHASH_BITS_SIDE)[:, None]
                        * (2 * np.arange(_PHASH_SIDE)[None, :] + 1) / (2 * _PHASH_SIDE))
+# Mirroring x -> N-1-x multiplies the DCT coefficient of horizontal frequency v by (-1)^v,
+# so a mirrored image's coefficients are the original's with odd columns negated: its
+# phash costs one more median, not another thumbnail.
+_MIRROR_SIGN = np.where(np.arange(_PHASH_BITS_SIDE) % 2, -1.0, 1.0)[None, :]
+# Centre regions hashed besides the whole image (fraction of each side kept). A copy with
+# 10 % cut off every side is the 0.8 region of its original, so its whole-image hash meets
+# the original's 0.8 hash; the 0.9 region covers 5 % cuts and, region against region, the
+# few-pixel crops whose shifted grid moves the whole-image hash.
+CROP_FRACTIONS = (0.9, 0.8)
 
 
-def phash_u64(image: Image.Image) -> int:
-    """64-bit perceptual hash (imagehash.phash, 8x8 DCT) as an unsigned integer."""
-    grey = image.convert("L")
-    factor = min(grey.size) // PHASH_SOURCE_SIDE
-    if factor >= 2:
-        grey = grey.reduce(factor)
+@dataclass(frozen=True, slots=True)
+class PerceptualHashes:
+    """Every perceptual hash of one image (unsigned 64-bit values)."""
+
+    phash: int  # the whole image (DESIGN.md's phash)
+    phash_mirror: int  # the whole image mirrored left-right
+    crop_phashes: tuple[int, ...]  # per CROP_FRACTIONS region: its hash, then its mirror's
+
+
+def _low_frequencies(grey: Image.Image) -> np.ndarray:
     thumb = grey.resize((_PHASH_SIDE, _PHASH_SIDE), Image.Resampling.LANCZOS)
     low = _DCT_ROWS @ np.asarray(thumb, dtype=np.float64) @ _DCT_ROWS.T
     # Rounding zeroes the products' float noise (~1e-12), where the FFT gives exact zeros:
     # a flat image must keep its one-bit hash (dedup skips such degenerate hashes).
-    low = np.round(low, 6)
+    return np.round(low, 6)
+
+
+def _bits(low: np.ndarray) -> int:
     bits = low > np.median(low)  # row-major, first bit most significant: imagehash's order
     return int.from_bytes(np.packbits(bits).tobytes(), "big")
+
+
+def _centre(grey: Image.Image, fraction: float) -> Image.Image:
+    width, height = grey.size
+    margin_x, margin_y = round(width * (1 - fraction) / 2), round(height * (1 - fraction) / 2)
+    return grey.crop((margin_x, margin_y, width - margin_x, height - margin_y))
+
+
+def phash_u64(image: Image.Image) -> int:
+    """64-bit perceptual hash (imagehash.phash's 8x8 DCT bits) as an unsigned integer."""
+    return _bits(_low_frequencies(image.convert("L")))
+
+
+def perceptual_hashes(image: Image.Image) -> PerceptualHashes:
+    """The whole-image phash, its mirror's, and the centre regions' (with mirrors)."""
+    grey = image.convert("L")
+    low = _low_frequencies(grey)
+    crops: list[int] = []
+    for fraction in CROP_FRACTIONS:
+        region = _low_frequencies(_centre(grey, fraction))
+        crops += [_bits(region), _bits(region * _MIRROR_SIGN)]
+    return PerceptualHashes(_bits(low), _bits(low * _MIRROR_SIGN), tuple(crops))
 
 
 def hamming_u64(a: int, b: int) -> int:

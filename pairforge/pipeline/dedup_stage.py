@@ -33,6 +33,7 @@ from pairforge.filters.dedup import (
     ROWS_SCHEMA,
     BandPlan,
     NearPairs,
+    as_index,
     combo_pairs,
     find_duplicates,
     next_index,
@@ -57,7 +58,7 @@ def read_hash_columns(url: str, storage_options: dict[str, Any]
     """The ok rows of one raw shard parquet (ROWS_SCHEMA) and its rows per status."""
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
     with fs.open(path, "rb") as handle:
-        table = pq.read_table(handle, columns=HASH_COLUMNS)
+        table = pq.read_table(handle, columns=_present(handle, HASH_COLUMNS))
     counts = {row["values"]: row["counts"] for row in
               pc.value_counts(table["status"]).to_pylist()}
     return prepare_rows(table), counts
@@ -67,8 +68,16 @@ def read_index(url: str, storage_options: dict[str, Any]) -> pa.Table:
     """One dedup index file of an earlier build (INDEX_SCHEMA)."""
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
     with fs.open(path, "rb") as handle:
-        table = pq.read_table(handle, columns=INDEX_SCHEMA.names)
-    return table.cast(INDEX_SCHEMA)
+        table = pq.read_table(handle, columns=_present(handle, INDEX_SCHEMA.names))
+    return as_index(table)
+
+
+def _present(handle: Any, wanted: list[str]) -> list[str]:
+    """The wanted columns a parquet file has: files of older versions lack the mirror and
+    region hashes (their rows then join on the whole-image hash only)."""
+    names = set(pq.read_schema(handle).names)
+    handle.seek(0)
+    return [c for c in wanted if c in names]
 
 
 def _expand(fs: fsspec.AbstractFileSystem, pattern: str) -> list[str]:

@@ -28,9 +28,10 @@ of the decoded RGB pixels before the resize -- with draft decoding, of the pixel
 decode scale. Identical bytes therefore still hash identically, and a lossless re-encode
 (e.g. JPEG to PNG) hashes identically whenever no draft happens for the JPEG (a target less
 than 2x smaller than the source, or resize_mode ``no``); a draft-decoded JPEG and its PNG
-twin get different pixel hashes. ``phash`` is of the same decoded image (see
-``filters.hashing.phash_u64``, which box-reduces it first; like the decode scale, that moves
-it by a bit or two at most, far inside the near-duplicate distance).
+twin get different pixel hashes. ``phash`` (with ``phash_mirror`` and ``crop_phashes``, see
+``filters.hashing.perceptual_hashes``) is of the same decoded image, through an antialiased
+Lanczos thumbnail whose kernel widens with the reduction, so neither the decode scale nor a
+resized copy moves it past a bit or two.
 
 Differences from img2dataset worth knowing: EXIF orientation is applied (cv2's
 IMREAD_UNCHANGED ignores it); size and aspect checks happen before decoding, so a corrupt
@@ -49,7 +50,7 @@ import numpy as np
 from PIL import ExifTags, Image, ImageOps, JpegImagePlugin, UnidentifiedImageError
 
 from pairforge.config import ImageConfig
-from pairforge.filters.hashing import phash_u64, pixel_hash_hex, sha256_hex
+from pairforge.filters.hashing import perceptual_hashes, pixel_hash_hex, sha256_hex
 from pairforge.pipeline.resample import downscale as _downscale
 from pairforge.records import Status
 
@@ -91,6 +92,8 @@ class ProcessedImage:
     sha256: str  # of the input bytes
     pixel_hash: str  # of the decoded RGB pixels (at the decode scale)
     phash: int  # unsigned 64-bit perceptual hash
+    phash_mirror: int  # the phash of the image mirrored left-right
+    crop_phashes: tuple[int, ...]  # centre regions' phashes (filters.hashing.CROP_FRACTIONS)
     exif: str | None  # JSON of a few EXIF tags
 
 
@@ -158,12 +161,13 @@ def _process(body: bytes, cfg: ImageConfig, draft: bool) -> ProcessedImage:
         stored_w, stored_h = stored_h, stored_w
     pixels = rgb.tobytes()  # copied out of Pillow once, for the pixel hash and the resize
     pixel_hash = pixel_hash_hex(rgb, pixels)
-    phash = phash_u64(rgb)
+    hashes = perceptual_hashes(rgb)
     out = _apply_plan(rgb, pixels, plan, cfg.image_size)
     return ProcessedImage(
         data=_encode(out, cfg), format=cfg.encode_format, width=out.width, height=out.height,
         original_width=stored_w, original_height=stored_h, sha256=sha256_hex(body),
-        pixel_hash=pixel_hash, phash=phash, exif=exif)
+        pixel_hash=pixel_hash, phash=hashes.phash, phash_mirror=hashes.phash_mirror,
+        crop_phashes=hashes.crop_phashes, exif=exif)
 
 
 def _open(body: bytes) -> Image.Image:

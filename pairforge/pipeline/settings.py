@@ -29,7 +29,8 @@ PERFORMANCE_KEYS = {"threads", "processes", "per_host_connections", "timeout", "
 # The version of what each stage writes for given settings. Bump it with any change that
 # makes a stage write other bytes under the same settings (tests/test_golden.py fails on
 # such a change), so that reruns redo the shards an older pairforge wrote.
-OUTPUT_VERSIONS = {"download": 2, "process": 1}  # download 2: libvips downscaling
+# download 2: libvips downscaling; 3: phash without box pre-reduction, mirror and crop hashes
+OUTPUT_VERSIONS = {"download": 3, "process": 1}
 # Config keys naming model files whose bytes decide stage-3 output.
 MODEL_KEYS = ("process.clip.pretrained", "process.clip.model_config_path",
               "process.recaption.model", "process.tokenize.image.path_or_id",
