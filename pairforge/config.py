@@ -104,6 +104,19 @@ class DownloadConfig(Strict):
         return value
 
 
+class SemanticDedupConfig(Strict):
+    """Stage 3's optional semantic dedup over CLIP image embeddings (filters/semantic.py)."""
+
+    enabled: bool = Field(False, description="needs process.clip.enabled: drop rows whose "
+                          "image embedding is within threshold of a kept row's")
+    threshold: float = Field(0.95, gt=0, le=1, description="cosine similarity at or above "
+                             "which two images are duplicates")
+    rows_per_cluster: int = Field(1000, gt=1, description="k-means clusters: rows / this "
+                                  "(pairs are only compared inside a cluster)")
+    iterations: int = Field(10, gt=0, description="k-means iterations")
+    seed: int = 0
+
+
 class DedupConfig(Strict):
     enabled: bool = True
     max_distance: int = Field(
@@ -112,6 +125,7 @@ class DedupConfig(Strict):
     index: list[str] = Field(default_factory=list,
                              description="dedup index parquet files of earlier builds")
     write_index: bool = Field(True, description="write this build's hashes as an index")
+    semantic: SemanticDedupConfig = Field(default_factory=SemanticDedupConfig)
 
 
 class ModelPoolConfig(Strict):
@@ -288,6 +302,14 @@ class PairforgeConfig(Strict):
     download: DownloadConfig = Field(default_factory=DownloadConfig)
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     process: ProcessConfig = Field(default_factory=ProcessConfig)
+
+    @model_validator(mode="after")
+    def _semantic_needs_clip(self) -> PairforgeConfig:
+        if self.dedup.semantic.enabled and not self.process.clip.enabled:
+            raise ValueError("dedup.semantic compares CLIP image embeddings: set "
+                             "process.clip.enabled (clip.mode: score_only embeds without "
+                             "dropping)")
+        return self
 
 
 class ConfigError(ValueError):

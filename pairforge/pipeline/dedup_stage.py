@@ -184,7 +184,9 @@ def inputs_digest(files: list[str], indexes: list[str], cfg: DedupConfig,
             out.append((posixpath.basename(stripped), int(fs.info(stripped)["size"])))
         return out
 
-    blob = json.dumps({"config": cfg.model_dump(mode="json"), "raw": described(files),
+    # semantic dedup is stage 3's pass: its settings do not make this stage stale
+    config = cfg.model_dump(mode="json", exclude={"semantic"})
+    blob = json.dumps({"config": config, "raw": described(files),
                        "index": described(indexes)}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

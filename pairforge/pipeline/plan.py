@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairforge.config import PairforgeConfig
@@ -31,14 +32,22 @@ class ShardPlan:
 
 
 def read_duplicates(out: OutputDir, cfg: PairforgeConfig) -> dict[int, Duplicates]:
-    """The dedup decisions, grouped by the shard their key belongs to."""
-    if not cfg.dedup.enabled:
+    """The dedup decisions (stage 2's, and stage 3's semantic pass once it has run),
+    grouped by the shard their key belongs to."""
+    tables = []
+    if cfg.dedup.enabled:
+        if not out.exists(DEDUP_FOLDER, "dedup_stats.json"):
+            raise RuntimeError("dedup is enabled but OUT/dedup is not complete: run "
+                               "`pairforge dedup` (or `build`) first, or set "
+                               "dedup.enabled=false")
+        with out.fs.open(out.path(DEDUP_FOLDER, "duplicates.parquet"), "rb") as f:
+            tables.append(pq.read_table(f, columns=["key", "kind", "kept_key"]))
+    if cfg.dedup.semantic.enabled and out.exists(DEDUP_FOLDER, "semantic_stats.json"):
+        with out.fs.open(out.path(DEDUP_FOLDER, "semantic.parquet"), "rb") as f:
+            tables.append(pq.read_table(f, columns=["key", "kind", "kept_key"]))
+    if not tables:
         return {}
-    if not out.exists(DEDUP_FOLDER, "dedup_stats.json"):
-        raise RuntimeError("dedup is enabled but OUT/dedup is not complete: run "
-                           "`pairforge dedup` (or `build`) first, or set dedup.enabled=false")
-    with out.fs.open(out.path(DEDUP_FOLDER, "duplicates.parquet"), "rb") as f:
-        table = pq.read_table(f, columns=["key", "kind", "kept_key"])
+    table = pa.concat_tables(tables)
     digits = index_digits(cfg.input.shard_size)
     by_shard: dict[int, Duplicates] = defaultdict(dict)
     for key, kind, kept in zip(table["key"].to_pylist(), table["kind"].to_pylist(),

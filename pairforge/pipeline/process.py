@@ -23,6 +23,7 @@ from pairforge.pipeline.plan import plan_shards, score_threshold
 from pairforge.pipeline.preflight import check_model_sources
 from pairforge.pipeline.progress import StageDisplay
 from pairforge.pipeline.ray_runtime import init_ray
+from pairforge.pipeline.semantic_stage import run_semantic_dedup
 from pairforge.pipeline.settings import check_settings
 from pairforge.pipeline.stream import stream_shards
 from pairforge.pipeline.write import write_scores_task, write_shard_task
@@ -69,6 +70,8 @@ def _learn_clip_threshold(cfg: PairforgeConfig, out: OutputDir,
     keeps that fraction of all scores, for the second pass."""
     scoring = cfg.model_copy(deep=True)
     scoring.process.clip.mode = "score_only"
+    # semantic dedup reads the embeddings of this same pass (pipeline/semantic_stage.py)
+    scoring.process.clip.save_embeddings |= cfg.dedup.semantic.enabled
     # the threshold needs the scores only: later (costlier) steps wait for pass two
     score_steps = steps[:steps.index(ClipStep) + 1]
     stream_shards(scoring, out, plan_shards(out, cfg, SCORES_FOLDER), score_steps,
@@ -97,6 +100,10 @@ def run_process(cfg: PairforgeConfig, show_progress: bool = True,
         cfg = _learn_clip_threshold(cfg, out, steps)
         stats_extra["clip_threshold"] = cfg.process.clip.threshold
         stats_extra["clip_top_fraction"] = cfg.process.clip.top_fraction
+    if cfg.dedup.semantic.enabled:
+        semantic = run_semantic_dedup(cfg, out, steps)
+        stats_extra["semantic_dedup"] = {k: v for k, v in semantic.items()
+                                         if k not in ("seconds", "inputs_digest", "stage")}
     plans = plan_shards(out, cfg, SHARDS_FOLDER)
     all_ids = sorted(completed_shards(out, RAW_FOLDER))
     rows = sum(p.to_process for p in plans)

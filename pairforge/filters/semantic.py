@@ -1,0 +1,223 @@
+"""Semantic dedup over CLIP image embeddings, in the SemDeDup style (Abbas et al., 2023).
+
+Hashes see pixels; two photos of the same thing from another angle, or a copy with a
+caption burned in, hash far apart but embed close together. The decision:
+
+1. every embedding is normalised to unit length (cosine similarity is then a dot product);
+2. spherical k-means (:func:`kmeans`) splits them into clusters, trained on a sample and
+   assigned in chunks, so memory stays at the embeddings plus one chunk of similarities;
+3. inside each cluster, every pair at cosine ``>= threshold`` is found by chunked matrix
+   products (:func:`cluster_pairs`: exact within the cluster, no approximation);
+4. clusters are the connected components of those pairs, and the survivor of each is the
+   row ``filters.dedup.survivor_order`` ranks first (largest original, then lowest key):
+   the rule of the hash dedup, so a row and its copies keep the same survivor whichever
+   kind of evidence linked them.
+
+Unlike SemDeDup, which drops a row when any better-ranked row is similar even if that
+row is dropped in turn, every dropped row here names a survivor that is kept, so the
+contact sheet can show the two side by side. Pairs that k-means puts in different
+clusters are not compared: that is the approximation, measured against all pairs in the
+tests and the bench. Everything is numpy (BLAS matrix products), so a cluster group is one
+unit of work for a Ray task (``pipeline/semantic_stage.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from scipy.sparse import coo_matrix
+from scipy.sparse.csgraph import connected_components
+
+from pairforge.filters.dedup import survivor_order
+from pairforge.records import Status
+
+SEMANTIC_SCHEMA = pa.schema([
+    pa.field("key", pa.string()),
+    pa.field("kind", pa.string()),
+    pa.field("cluster_id", pa.string()),
+    pa.field("kept_key", pa.string()),
+    pa.field("kept_source", pa.string()),  # always null: no index of earlier builds here
+    pa.field("distance", pa.int32()),  # always null: no hash evidence
+    pa.field("similarity", pa.float32()),  # cosine to the kept row
+])
+
+# Rows per block of a similarity matrix: 4,096 x 4,096 float32 is 64 MiB.
+_BLOCK = 4096
+_NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
+
+
+def normalise(embeddings: np.ndarray) -> np.ndarray:
+    """Rows scaled to unit length (float32); all-zero rows stay zero."""
+    x = np.asarray(embeddings, dtype=np.float32)
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return x / np.maximum(norms, np.float32(1e-12))
+
+
+def default_clusters(n: int, rows_per_cluster: int) -> int:
+    """About ``rows_per_cluster`` rows per cluster, at least one cluster."""
+    return max(1, min(n, round(n / rows_per_cluster)))
+
+
+def assign(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    """Index of the most similar centroid for each (unit) row, in blocks."""
+    labels = np.empty(len(x), dtype=np.int64)
+    for start in range(0, len(x), _BLOCK):
+        labels[start:start + _BLOCK] = np.argmax(x[start:start + _BLOCK] @ centroids.T, axis=1)
+    return labels
+
+
+def kmeans(x: np.ndarray, k: int, iterations: int = 10, seed: int = 0,
+           sample_per_cluster: int = 256) -> np.ndarray:
+    """Spherical k-means centroids (unit rows) of unit rows ``x``.
+
+    Trained on at most ``sample_per_cluster * k`` rows (faiss's default is 256), started from
+    k distinct sample rows; an emptied cluster is restarted at the sample row worst served
+    by its centroid. Deterministic for a given seed.
+    """
+    rng = np.random.default_rng(seed)
+    k = max(1, min(k, len(x)))
+    size = min(len(x), sample_per_cluster * k)
+    sample = x[np.sort(rng.choice(len(x), size, replace=False))] if size < len(x) else x
+    centroids = sample[rng.choice(len(sample), k, replace=False)].copy()
+    for _ in range(iterations):
+        labels = assign(sample, centroids)
+        # sums per cluster as one sparse product (np.add.at is ~50x slower on rows)
+        one_hot = coo_matrix((np.ones(len(labels), np.float32), (labels, np.arange(len(labels)))),
+                             shape=(k, len(labels))).tocsr()
+        sums = np.asarray(one_hot @ sample, dtype=np.float32)
+        counts = np.bincount(labels, minlength=k)
+        empty = np.flatnonzero(counts == 0)
+        if len(empty):
+            fit = np.einsum("ij,ij->i", sample, centroids[labels])
+            sums[empty] = sample[np.argsort(fit)[:len(empty)]]
+        centroids = normalise(sums)
+    return centroids
+
+
+def cluster_pairs(x: np.ndarray, members: np.ndarray, threshold: float
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs (i < j, indices into ``x``) among ``members`` with cosine >= ``threshold``,
+    and their similarities: every pair of the cluster compared, block by block."""
+    members = np.sort(members)
+    vectors = x[members]
+    found, sims = [_NO_PAIRS], [np.zeros(0, np.float32)]
+    for row in range(0, len(members), _BLOCK):
+        for col in range(row, len(members), _BLOCK):
+            block = vectors[row:row + _BLOCK] @ vectors[col:col + _BLOCK].T
+            rows, cols = np.nonzero(block >= threshold)
+            keep = col + cols > row + rows  # the upper triangle: each pair once
+            rows, cols = rows[keep], cols[keep]
+            found.append(np.stack([members[row + rows], members[col + cols]], axis=1))
+            sims.append(block[rows, cols])
+    return np.concatenate(found).astype(np.int64), np.concatenate(sims).astype(np.float32)
+
+
+def group_pairs(x: np.ndarray, labels: np.ndarray, clusters: Sequence[int], threshold: float
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs of every listed cluster: one unit of work (a Ray task in the stage)."""
+    order = np.argsort(labels, kind="stable")
+    starts = np.searchsorted(labels[order], clusters, side="left")
+    ends = np.searchsorted(labels[order], clusters, side="right")
+    parts = [cluster_pairs(x, order[s:e], threshold) for s, e in zip(starts, ends, strict=True)
+             if e - s >= 2]
+    if not parts:
+        return _NO_PAIRS, np.zeros(0, np.float32)
+    return np.concatenate([p for p, _ in parts]), np.concatenate([s for _, s in parts])
+
+
+def balanced_groups(labels: np.ndarray, groups: int) -> list[list[int]]:
+    """Clusters split into ``groups`` lists of about equal work (pairs ~ size squared),
+    largest first, so one Ray task does not get all the big clusters."""
+    sizes = np.bincount(labels)
+    load = np.zeros(groups)
+    out: list[list[int]] = [[] for _ in range(groups)]
+    for cluster in np.argsort(-sizes.astype(np.int64) ** 2, kind="stable"):
+        if sizes[cluster] < 2:
+            continue
+        target = int(np.argmin(load))
+        out[target].append(int(cluster))
+        load[target] += float(sizes[cluster]) ** 2
+    return [g for g in out if g]
+
+
+PairsMapper = Callable[[np.ndarray, np.ndarray, list[list[int]], float],
+                       list[tuple[np.ndarray, np.ndarray]]]
+
+
+def local_pairs(x: np.ndarray, labels: np.ndarray, groups: list[list[int]], threshold: float
+                ) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [group_pairs(x, labels, g, threshold) for g in groups]
+
+
+@dataclass
+class SemanticResult:
+    duplicates: pa.Table  # SEMANTIC_SCHEMA, sorted by key
+    stats: dict[str, int | float]
+
+
+def semantic_duplicates(keys: pa.Array, embeddings: np.ndarray, area: np.ndarray,
+                        threshold: float, clusters: int, iterations: int = 10,
+                        seed: int = 0, mapper: PairsMapper | None = None,
+                        groups: int = 1) -> SemanticResult:
+    """The rows to drop as ``duplicate_semantic``: see the module docstring.
+
+    ``area`` (original width x height) and ``keys`` decide survivors; ``mapper`` runs the
+    cluster groups (locally by default; the stage passes a Ray one).
+    """
+    if isinstance(keys, pa.ChunkedArray):
+        keys = keys.combine_chunks()
+    keys = keys if isinstance(keys, pa.Array) else pa.array(keys, pa.string())
+    # k-means samples rows by position: in key order, the clusters (and so the pairs found)
+    # do not depend on the order the shards were read in
+    order = pc.sort_indices(keys).to_numpy()
+    keys, area = keys.take(pa.array(order)), np.asarray(area)[order]
+    x = normalise(np.asarray(embeddings)[order])
+    centroids = kmeans(x, clusters, iterations, seed)
+    labels = assign(x, centroids)
+    work = balanced_groups(labels, groups)
+    parts = (mapper or local_pairs)(x, labels, work, threshold)
+    pairs = np.concatenate([_NO_PAIRS, *(p for p, _ in parts)])
+    table = duplicates_from_pairs(keys, x, area, pairs)
+    sizes = np.bincount(labels, minlength=len(centroids))
+    stats = {"embeddings": len(x), "clusters": len(centroids),
+             "largest_cluster": int(sizes.max(initial=0)), "threshold": threshold,
+             "pairs": len(pairs), Status.DUPLICATE_SEMANTIC.value: len(table)}
+    return SemanticResult(table, stats)
+
+
+def duplicates_from_pairs(keys: pa.Array, x: np.ndarray, area: np.ndarray,
+                          pairs: np.ndarray) -> pa.Table:
+    """Components of the pairs, one survivor each (the hash dedup's rule), as a table."""
+    n = len(keys)
+    graph = coo_matrix((np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])),
+                       shape=(n, n)).tocsr()
+    _, labels = connected_components(graph, directed=False)
+    rank = survivor_order(keys, pa.nulls(n, pa.string()), np.zeros(n, bool),
+                          np.asarray(area, dtype=np.int64))
+    best = np.full(labels.max(initial=-1) + 1, n, dtype=np.int64)
+    np.minimum.at(best, labels, rank)
+    kept = np.argsort(rank)[best[labels]]
+    rows = np.flatnonzero(kept != np.arange(n))
+    similarity = np.einsum("ij,ij->i", x[rows], x[kept[rows]])
+    kept_key = keys.take(pa.array(kept[rows]))
+    out = pa.table({
+        "key": keys.take(pa.array(rows)),
+        "kind": pa.array([Status.DUPLICATE_SEMANTIC.value] * len(rows), pa.string()),
+        "cluster_id": kept_key,
+        "kept_key": kept_key,
+        "kept_source": pa.nulls(len(rows), pa.string()),
+        "distance": pa.nulls(len(rows), pa.int32()),
+        "similarity": pa.array(similarity, pa.float32()),
+    }, schema=SEMANTIC_SCHEMA)
+    return out.take(pc.sort_indices(out, sort_keys=[("key", "ascending")]))
+
+
+def brute_force_pairs(embeddings: np.ndarray, threshold: float) -> np.ndarray:
+    """Reference: every pair (i < j) of all rows at cosine >= threshold (quadratic)."""
+    x = normalise(embeddings)
+    pairs, _ = cluster_pairs(x, np.arange(len(x)), threshold)
+    return pairs[np.lexsort((pairs[:, 1], pairs[:, 0]))]
