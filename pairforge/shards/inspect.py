@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pairforge.records import STATUS_HELP, Status
+from pairforge.shards.duplicates import summary_lines
 from pairforge.shards.storage import OutputDir
 
 
@@ -89,7 +90,9 @@ def inspect_view(path: str, storage_options: dict | None = None) -> Group:
         f"p_drop {budget['p_drop']}, unconditional image-token share "
         f"{budget['realized_unconditional_share'] or 0:.4f} "
         f"(largest prefix deviation {budget['max_prefix_deviation_tokens'] or 0:.0f} tokens)")
-    parts: list[Any] = [head, status_table(funnel["final"], "funnel (final status)")]
+    parts: list[Any] = [head, status_table(funnel["final"], "funnel (final status)"),
+                        Text("\n".join(summary_lines(OutputDir(path, storage_options),
+                                                     funnel["final"])))]
     if manifest["totals"]["tasks"]:
         parts.append(_budget_table(manifest))
     parts += [_shards_table(manifest), _models(manifest)]

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError
+from pairforge.shards.duplicates import summary_lines
 from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
 
 MANIFEST = "manifest.json"
@@ -132,6 +133,7 @@ def render_report(path: str, storage_options: dict | None = None) -> str:
                f"{manifest['funnel']['input_rows']:,} input rows in {len(manifest['shards'])} "
                f"shards; p_drop {budget['p_drop']}, realized unconditional share "
                f"{budget['realized_unconditional_share'] or 0:.4f}")
+    summary += "; " + "; ".join(summary_lines(out, manifest["funnel"]["final"]))
     images = "\n".join(f'<p><img src="{p}"></p>' for p in plots)
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>pairforge report"
             f"</title></head><body style='font-family:sans-serif'>"
