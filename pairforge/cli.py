@@ -155,12 +155,15 @@ def show(path: PathArg,
          output: Annotated[str, typer.Option("-o", "--output", help="PNG to write")] = "sheet.png",
          task: Annotated[str | None, typer.Option(help="only t2i, i2t or img")] = None,
          grep: Annotated[str | None, typer.Option(help="only captions with this word")] = None,
-         n: Annotated[int, typer.Option("-n", help="samples on the sheet")] = 16) -> None:
+         n: Annotated[int, typer.Option("-n", help="samples on the sheet")] = 16,
+         status: Annotated[str | None, typer.Option(
+             help="rows that left with this status instead (e.g. unsafe: what a "
+             "classifier dropped)")] = None) -> None:
     """A contact sheet: image, VQ reconstruction, task, CLIP score and caption."""
     from pairforge.shards.show import show as make_sheet
 
     notes: list[str] = []
-    shown = _run_guarded(make_sheet, path, output, task, grep, n, None, notes)
+    shown = _run_guarded(make_sheet, path, output, task, grep, n, None, notes, status)
     for note in notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}", soft_wrap=True)
     if not shown:

@@ -275,8 +275,55 @@ class TasksConfig(Strict):
                                    description="mix: share of samples trained on the recaption")
 
 
+class ClassifierConfig(ModelPoolConfig):
+    """One image classifier of stage 3 (pairforge/filters/classify.py): its score is the
+    column NAME_score; a bound drops the rows past it with ``status``."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$",
+                      description="the score column is NAME_score (parquet and sample json)")
+    backend: Literal["transformers", "clip-head"]
+    model: str | None = Field(None, description="transformers: hub id or local folder of an "
+                              "AutoModelForImageClassification with its image processor")
+    revision: str | None = None
+    label: str | None = Field(None, description="transformers: the label (config.id2label) "
+                              "whose probability is the score")
+    path: str | None = Field(None, description="clip-head: a state dict file (.pth, .pt, "
+                             ".bin, .safetensors) of a linear head or linear stack over the "
+                             "clip step's normalised image embedding")
+    head_activation: Literal["none", "relu", "gelu"] = Field(
+        "none", description="clip-head: between the head's linear layers (LAION's aesthetic "
+        "predictors have none)")
+    output: Literal["raw", "sigmoid", "softmax"] = Field(
+        "raw", description="clip-head: what turns the head's outputs into the score")
+    output_index: int = Field(0, ge=0, description="clip-head: which output is the score")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="transformers: auto is float32 on CPU, bfloat16 on GPU")
+    drop_above: float | None = Field(None, description="drop rows whose score is above this")
+    drop_below: float | None = Field(None, description="drop rows whose score is below this")
+    status: Literal["unsafe", "low_aesthetic", "watermarked", "classifier_rejected"] | None = (
+        Field(None, description="the status a dropped row gets (needed with a bound)"))
+
+    @model_validator(mode="after")
+    def _complete(self) -> ClassifierConfig:
+        where = f"classifier {self.name}"
+        if self.backend == "transformers" and not (self.model and self.label):
+            raise ValueError(f"{where}: backend transformers needs model and label")
+        if self.backend == "clip-head" and not self.path:
+            raise ValueError(f"{where}: backend clip-head needs path (a state dict file)")
+        bounded = self.drop_above is not None or self.drop_below is not None
+        if bounded and self.status is None:
+            raise ValueError(f"{where}: drop_above/drop_below needs status (the status "
+                             "a dropped row gets)")
+        if self.status is not None and not bounded:
+            raise ValueError(f"{where}: status without drop_above or drop_below drops nothing")
+        return self
+
+
 class ProcessConfig(Strict):
     basic: BasicFilterConfig = Field(default_factory=BasicFilterConfig)
+    classifiers: list[ClassifierConfig] = Field(
+        default_factory=list, description="image classifiers after the basic filters and "
+        "CLIP, before recaptioning, in this order")
     clip: ClipConfig = Field(default_factory=ClipConfig)
     recaption: RecaptionConfig = Field(default_factory=RecaptionConfig)
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
@@ -287,6 +334,27 @@ class ProcessConfig(Strict):
         if self.tasks.caption in ("recaption", "mix") and not self.recaption.enabled:
             raise ValueError(f"tasks.caption={self.tasks.caption} needs recaption.enabled")
         return self
+
+    @model_validator(mode="after")
+    def _classifiers_fit(self) -> ProcessConfig:
+        from pairforge.records import reserved_column_names
+
+        names = [c.name for c in self.classifiers]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"classifiers: names must differ ({', '.join(twice)} repeated)")
+        taken = [n for n in names if f"{n}_score" in reserved_column_names()]
+        if taken:
+            raise ValueError(f"classifiers: {', '.join(f'{n}_score' for n in taken)} is "
+                             "already a column; choose another name")
+        if self.uses_clip_embedding() and not self.clip.enabled:
+            raise ValueError("a clip-head classifier reads the clip step's image embedding: "
+                             "set clip.enabled (clip.mode: score_only scores without dropping)")
+        return self
+
+    def uses_clip_embedding(self) -> bool:
+        """Whether a classifier reads the clip step's image embedding."""
+        return any(c.backend == "clip-head" for c in self.classifiers)
 
     def training_caption(self) -> str:
         """recaption, original or mix: what the tasks section asks, resolved."""

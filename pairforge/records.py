@@ -41,6 +41,9 @@ class Status(StrEnum):
     CAPTION_LANGUAGE = "caption_language"
     LOW_CLIP_SCORE = "low_clip_score"
     UNSAFE = "unsafe"
+    LOW_AESTHETIC = "low_aesthetic"
+    WATERMARKED = "watermarked"
+    CLASSIFIER_REJECTED = "classifier_rejected"
 
 
 STATUS_HELP: dict[Status, str] = {
@@ -70,7 +73,11 @@ STATUS_HELP: dict[Status, str] = {
     Status.CAPTION_TOO_LONG: "caption has more words/characters than the filter allows",
     Status.CAPTION_LANGUAGE: "caption language not in the allowed set",
     Status.LOW_CLIP_SCORE: "CLIP image-text similarity below the threshold",
-    Status.UNSAFE: "removed by a safety filter",
+    Status.UNSAFE: "an image classifier scored it unsafe (e.g. NSFW; process.classifiers)",
+    Status.LOW_AESTHETIC: "an aesthetic classifier scored it below its drop_below",
+    Status.WATERMARKED: "a watermark classifier scored it above its drop_above",
+    Status.CLASSIFIER_REJECTED: "another process.classifiers entry dropped it (the error "
+                                "names the classifier, its score and bound)",
 }
 
 # Columns of a raw (stage 1) shard parquet, before any user columns kept from the input.
@@ -130,6 +137,25 @@ SAMPLE_FIELDS = ["key", "url", "caption", "width", "height", "original_width",
                  "original_height", "image_format", "sha256", "pixel_hash", "phash",
                  "clip_score", "recaption", "recaption_flags", "caption_source"]
 TOKEN_FIELDS = ["task", "n_image_tokens", "token_grid", "n_caption_tokens"]
+
+
+# The statuses a process.classifiers entry may give the rows it drops.
+CLASSIFIER_STATUSES = (Status.UNSAFE, Status.LOW_AESTHETIC, Status.WATERMARKED,
+                       Status.CLASSIFIER_REJECTED)
+# A classifier named NAME adds the stage-3 column NAME_score, typed here like the others; it
+# goes into the parquet (every row it scored) and the json of every kept sample.
+CLASSIFIER_SCORE_TYPE = pa.float32()
+
+
+def classifier_columns(*names: str) -> dict[str, pa.DataType]:
+    """The score columns of the named classifiers, for a step's ``provides``."""
+    return {f"{name}_score": CLASSIFIER_SCORE_TYPE for name in names}
+
+
+def reserved_column_names() -> set[str]:
+    """Column and json field names a classifier's score column must not take."""
+    return ({f.name for f in RAW_COLUMNS} | set(PROCESS_COLUMNS) | set(SAMPLE_FIELDS)
+            | set(TOKEN_FIELDS) | {"image", "shard", "train_caption"})
 
 
 def process_columns(*names: str) -> dict[str, pa.DataType]:

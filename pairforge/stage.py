@@ -102,14 +102,27 @@ def step_stats(steps: list[type[Step]], rows_in: int,
     ``process``. ``rows_in``: the rows the first step was given (the shard's rows to
     process); ``rows``: the shard's final rows, with their ``step_seconds.*`` values."""
     stats = {}
+    enders = [_ending_step(steps, r) for r in rows]
     for step in steps:
-        ended = Counter(r["status"] for r in rows if r["status"] in step.ends)
+        ended = Counter(r["status"] for r, by in zip(rows, enders, strict=True)
+                        if by == step.name)
         seconds = sum(r.get(SECONDS_PREFIX + step.name) or 0.0 for r in rows)
         rows_out = rows_in - sum(ended.values())
         stats[step.name] = {"rows_in": rows_in, "rows_out": rows_out,
                             "ended": dict(sorted(ended.items())), "seconds": round(seconds, 3)}
         rows_in = rows_out
     return stats
+
+
+def _ending_step(steps: list[type[Step]], row: dict[str, Any]) -> str | None:
+    """The step that ended a row. Several classifiers may share a status (two NSFW models
+    both ending rows ``unsafe``): then it is the last of them that processed the row (a
+    step is timed on exactly the rows it was given)."""
+    candidates = [s for s in steps if row["status"] in s.ends]
+    if len(candidates) > 1:
+        timed = [s for s in candidates if row.get(SECONDS_PREFIX + s.name) is not None]
+        candidates = timed[-1:] or candidates
+    return candidates[0].name if candidates else None
 
 
 class ModelStep(Step):

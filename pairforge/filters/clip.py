@@ -66,6 +66,17 @@ class ClipScorer:
         return (image_emb * text_emb).sum(axis=1), image_emb
 
 
+def clip_embed_dim(cfg: ClipConfig) -> int | None:
+    """The image embedding size of the configured open_clip model, from its config alone
+    (no weights loaded); None when open_clip does not know the model (an hf-hub: id)."""
+    import open_clip
+
+    if cfg.model_config_path:
+        open_clip.add_model_config(cfg.model_config_path)
+    config = open_clip.get_model_config(cfg.model)
+    return int(config["embed_dim"]) if config and "embed_dim" in config else None
+
+
 class ClipStep(ModelStep):
     """Scores ok rows that have no score yet; filters by the configured threshold."""
 
@@ -82,6 +93,7 @@ class ClipStep(ModelStep):
         super().__init__(cfg)
         self.clip_cfg = cfg.process.clip
         self.scorer = ClipScorer(self.clip_cfg, model_device(self.clip_cfg))
+        self.for_heads = cfg.process.uses_clip_embedding()
 
     def process(self, rows: pa.Table) -> StepResult:
         captions = rows["caption"].to_pylist()
@@ -89,16 +101,24 @@ class ClipStep(ModelStep):
                   else [None] * rows.num_rows)
         todo = [i for i, (c, s) in enumerate(zip(captions, cached, strict=True))
                 if c is not None and s is None]
+        # clip-head classifiers read every row's image embedding (also rows without a
+        # caption, or whose score is cached), so they never encode an image again
+        keep = self.clip_cfg.save_embeddings or self.for_heads
+        encode = list(range(rows.num_rows)) if self.for_heads else todo
         scores: list[float | None] = list(cached)
         embeddings: list[list[float] | None] = [None] * rows.num_rows
-        if todo:
-            images = rows["image"].take(todo).to_pylist()
-            sims, emb = self.scorer.score([decode_rgb(b) for b in images],
-                                          [captions[i] for i in todo])
-            for j, i in enumerate(todo):
-                scores[i] = float(sims[j])
-                if self.clip_cfg.save_embeddings:
-                    embeddings[i] = emb[j].tolist()
+        if encode:
+            images = rows["image"].take(encode).to_pylist()
+            image_emb = self.scorer.embed_images([decode_rgb(b) for b in images])
+            at = {i: j for j, i in enumerate(encode)}
+            if todo:
+                text_emb = self.scorer.embed_texts([captions[i] for i in todo])
+                sims = (image_emb[[at[i] for i in todo]] * text_emb).sum(axis=1)
+                for j, i in enumerate(todo):
+                    scores[i] = float(sims[j])
+            if keep:
+                for i in encode:
+                    embeddings[i] = image_emb[at[i]].tolist()
         return StepResult(columns={"clip_score": scores, "clip_embedding": embeddings},
                           **self._decisions(scores))
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from pairforge.config import ClipConfig, ConfigError, PairforgeConfig
+from pairforge.config import ClassifierConfig, ClipConfig, ConfigError, PairforgeConfig
 
 Stage = Literal["download", "dedup", "process", "build"]
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
@@ -231,7 +231,66 @@ def model_problems(cfg: PairforgeConfig) -> list[str]:
         problems += _source_problems("process.recaption.model", process.recaption.model,
                                      [("config.json",), WEIGHT_FILES, PROCESSOR_FILES],
                                      process.recaption.revision)
+    for i, entry in enumerate(process.classifiers):
+        problems += _classifier_problems(cfg, i, entry)
     return problems
+
+
+def _classifier_problems(cfg: PairforgeConfig, i: int, entry: ClassifierConfig) -> list[str]:
+    """The model is there and has the label; a head file loads and takes the CLIP model's
+    embedding size. Only config files and the (small) head are read, never a model."""
+    key = f"process.classifiers[{i}] ({entry.name})"
+    if entry.backend == "clip-head":
+        return _head_problems(cfg, key, entry)
+    problems = list(_source_problems(f"{key}.model", entry.model,
+                                     [("config.json",), WEIGHT_FILES, PROCESSOR_FILES],
+                                     entry.revision))
+    config = _config_json(entry.model, entry.revision)
+    if problems or config is None:
+        return problems
+    from pairforge.filters.classify import config_labels, label_index
+
+    try:
+        labels = config_labels(config)
+    except (OSError, ValueError) as err:  # unreadable, or not JSON
+        return [f"{key}.model: cannot read {config} ({_reason(err)})"]
+    try:
+        label_index(labels, entry.label, entry.model)
+    except ValueError as err:
+        return [f"{key}.label: {err}"]
+    return []
+
+
+def _config_json(ref: str, revision: str | None) -> str | None:
+    """A model's config.json: in its folder, or in the local hub cache."""
+    folder = Path(ref).expanduser()
+    if folder.is_dir():
+        return str(folder / "config.json")
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(ref, "config.json", revision=revision)
+    return found if isinstance(found, str) else None
+
+
+def _head_problems(cfg: PairforgeConfig, key: str, entry: ClassifierConfig) -> list[str]:
+    from pairforge.filters.classify import load_head
+    from pairforge.filters.clip import clip_embed_dim
+
+    if not Path(entry.path).expanduser().is_file():
+        return [f"{key}.path: {entry.path} is not a file"]
+    try:
+        head = load_head(entry)
+    except Exception as err:  # noqa: BLE001 - a pickle, safetensors or layout error
+        return [f"{key}.path: cannot load a head from {entry.path} ({_reason(err)})"]
+    try:
+        dim = clip_embed_dim(cfg.process.clip)
+    except Exception:  # noqa: BLE001 - a bad clip model is reported by _clip_problems
+        dim = None
+    if dim is not None and dim != head.input_dim:
+        return [f"{key}.path: the head takes {head.input_dim}-dim embeddings but "
+                f"process.clip.model {cfg.process.clip.model} makes {dim}-dim ones; use the "
+                "head trained on this CLIP model's embeddings (README: classifiers)"]
+    return []
 
 
 def _tokenizer_problems(cfg: PairforgeConfig) -> list[str]:

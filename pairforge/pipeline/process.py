@@ -18,6 +18,7 @@ from typing import Any
 
 from pairforge.config import PairforgeConfig
 from pairforge.filters.basic import BasicFilterStep
+from pairforge.filters.classify import classifier_steps
 from pairforge.filters.clip import ClipStep
 from pairforge.pipeline.plan import plan_shards, score_threshold
 from pairforge.pipeline.preflight import check_model_sources
@@ -47,6 +48,9 @@ def enabled_steps(cfg: PairforgeConfig) -> list[type[Step]]:
     chain: list[tuple[bool, type[Step]]] = [
         (cfg.process.basic.enabled, BasicFilterStep),
         (cfg.process.clip.enabled, ClipStep),
+        # after the cheap filters and CLIP (a clip-head reads its embedding), before the
+        # recaption step, so dropped rows cost no generation
+        *((True, step) for step in classifier_steps(cfg)),
         (cfg.process.recaption.enabled, RecaptionStep),
         (True, TrainingCaptionStep),
         (cfg.process.tokenize.enabled, TokenizeStep),
@@ -72,6 +76,7 @@ def _learn_clip_threshold(cfg: PairforgeConfig, out: OutputDir,
     scoring.process.clip.mode = "score_only"
     # semantic dedup reads the embeddings of this same pass (pipeline/semantic_stage.py)
     scoring.process.clip.save_embeddings |= cfg.dedup.semantic.enabled
+    scoring.process.classifiers = []  # they run in pass two; no embeddings kept for them
     # the threshold needs the scores only: later (costlier) steps wait for pass two
     score_steps = steps[:steps.index(ClipStep) + 1]
     stream_shards(scoring, out, plan_shards(out, cfg, SCORES_FOLDER), score_steps,

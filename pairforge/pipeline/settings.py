@@ -42,7 +42,16 @@ class SettingsChanged(ConfigError):
     """Complete shards were made under other settings than this run's."""
 
 
+def _named_entries(value: Any) -> bool:
+    """A list of named sections (process.classifiers): flattened by name, so speed keys in
+    them are left out like anywhere else and a changed key is named."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(v, dict) and "name" in v for v in value))
+
+
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if _named_entries(value):
+        value = {entry["name"]: entry for entry in value}
     if isinstance(value, dict):
         flat: dict[str, Any] = {}
         for key, inner in value.items():
@@ -76,11 +85,20 @@ def stage_settings(cfg: PairforgeConfig, stage: str) -> dict[str, Any]:
     for section in STAGE_SECTIONS[stage]:
         values.update(_flatten(dumped[section], f"{section}."))
     if stage == "process":
-        for key in MODEL_KEYS:
+        # no classifiers is what shards made before they existed had: same digest
+        if values.get("process.classifiers") == []:
+            del values["process.classifiers"]
+        for key in (*MODEL_KEYS, *_classifier_model_keys(values)):
             path = values.get(key)
             if isinstance(path, str) and path and Path(path).exists():
                 values[f"{key}#files"] = file_fingerprint(Path(path))
     return values
+
+
+def _classifier_model_keys(values: dict[str, Any]) -> list[str]:
+    """process.classifiers.NAME.model (a local folder) and .path (a head file)."""
+    return [k for k in values if k.startswith("process.classifiers.")
+            and k.endswith((".model", ".path"))]
 
 
 def settings_digest(values: dict[str, Any]) -> str:

@@ -70,6 +70,15 @@ def load_rows(batch: pa.Table, out_url: str, storage_options: dict) -> pa.Table:
     return pa.concat_tables(tables, promote_options="permissive")
 
 
+def _dropped_after(cfg: PairforgeConfig) -> tuple[str, ...]:
+    """Columns the last step drops: the writer re-reads the image, and an embedding kept
+    only for the clip-head classifiers has served once they ran."""
+    process = cfg.process
+    heads_only = process.clip.enabled and process.uses_clip_embedding() and not (
+        process.clip.save_embeddings)
+    return ("image", "clip_embedding") if heads_only else ("image",)
+
+
 def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
                   steps: list[type[Step]], writer: Writer, stats_extra: dict[str, Any],
                   display: StageDisplay | None) -> None:
@@ -101,7 +110,7 @@ def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
         ds = ds.map_batches(load_rows, batch_size=1, batch_format="pyarrow", num_cpus=TASK_CPUS,
                             fn_args=(out.url, cfg.output.storage_options))
         actor_cpus = fit_actor_cpus(steps, cfg, ray.cluster_resources().get("CPU", 1.0))
-        ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=("image",))
+        ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=_dropped_after(cfg))
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             for shard_id in pc.unique(batch["shard"]).to_pylist():
                 part = batch.filter(pc.equal(batch["shard"], shard_id)).drop_columns(["shard"])

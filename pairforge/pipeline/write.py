@@ -15,7 +15,13 @@ from pairforge.config import PairforgeConfig
 from pairforge.pipeline.plan import ShardPlan
 from pairforge.pipeline.settings import settings_record
 from pairforge.pipeline.stream import read_raw
-from pairforge.records import PER_SHARD_STATS, SAMPLE_FIELDS, TOKEN_FIELDS, process_fields
+from pairforge.records import (
+    PER_SHARD_STATS,
+    SAMPLE_FIELDS,
+    TOKEN_FIELDS,
+    classifier_columns,
+    process_fields,
+)
 from pairforge.shards.raw import shard_name
 from pairforge.shards.storage import SCORES_FOLDER, OutputDir
 from pairforge.shards.training import final_rows, write_embeddings, write_training_shard
@@ -25,6 +31,11 @@ from pairforge.stage import SECONDS_PREFIX, Step, step_stats
 def provided_columns(steps: list[type[Step]]) -> dict[str, pa.DataType]:
     """The columns the chain adds, in chain order, with their types."""
     return {name: dtype for step in steps for name, dtype in step.provides.items()}
+
+
+def classifier_fields(cfg: PairforgeConfig) -> list[str]:
+    """The classifiers' score columns, which every kept sample's json carries too."""
+    return list(classifier_columns(*(c.name for c in cfg.process.classifiers)))
 
 
 def write_shard_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
@@ -46,7 +57,8 @@ def write_shard_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
         if finished is not None:
             stats[step.name] = finished
     schema = pa.schema([*raw.schema, *process_fields(provided_columns(steps))])
-    meta = SAMPLE_FIELDS + (TOKEN_FIELDS if "n_image_tokens" in schema.names else [])
+    meta = (SAMPLE_FIELDS + classifier_fields(cfg)
+            + (TOKEN_FIELDS if "n_image_tokens" in schema.names else []))
     return write_training_shard(out, plan.shard_id, rows, schema, meta, stats,
                                 cfg.process.tasks)
 

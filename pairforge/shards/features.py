@@ -38,11 +38,14 @@ JSON_TYPES: dict[str, dict[str, Any]] = {
 }
 
 
-def hf_features(image_extension: str, tokenized: bool) -> dict[str, Any]:
-    """``datasets.Features.to_dict()`` of the samples of a training shard."""
-    fields = SAMPLE_FIELDS + (TOKEN_FIELDS if tokenized else [])
+def hf_features(image_extension: str, tokenized: bool,
+                scores: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
+    """``datasets.Features.to_dict()`` of the samples of a training shard; ``scores``: the
+    classifiers' score fields (``NAME_score``, a float in every kept sample)."""
+    fields = SAMPLE_FIELDS + list(scores) + (TOKEN_FIELDS if tokenized else [])
+    types = {**JSON_TYPES, **{f: _value("float64") for f in scores}}
     features = {image_extension: {"_type": "Image"}, "txt": _value("string"),
-                "json": {f: JSON_TYPES[f] for f in fields},
+                "json": {f: types[f] for f in fields},
                 "__key__": _value("string"), "__url__": _value("string")}
     if tokenized:
         features["vq.npy"] = _list(_list(_value("int32")))

@@ -56,11 +56,22 @@ def _shards_table(manifest: dict[str, Any], limit: int = 12) -> Table:
     return table
 
 
+def _classifier_line(entry: dict[str, Any]) -> str:
+    label = f", label {entry['label']}" if entry.get("label") else ""
+    bounds = [f"drop {side} {entry[key]:g}" for key, side in
+              (("drop_above", "above"), ("drop_below", "below")) if entry.get(key) is not None]
+    rule = f"{' and '.join(bounds)} -> {entry['status']}" if bounds else "score only"
+    return (f"classifier {entry['name']}: {entry['backend']} {entry['model']}{label}; "
+            f"{entry['score']}, {rule}; {entry['rows_dropped']:,} of {entry['rows_scored']:,} "
+            "scored rows dropped")
+
+
 def _models(manifest: dict[str, Any]) -> Text:
     vocab = manifest.get("vocab") or {}
     lines = [f"CLIP: {manifest['models'].get('clip') or 'not used'}"
              + (f" (threshold {manifest['models']['clip_threshold']:.4f})"
                 if manifest["models"].get("clip_threshold") is not None else "")]
+    lines += [_classifier_line(c) for c in manifest.get("classifiers") or []]
     recaption = manifest.get("recaption")
     if recaption:
         origin = ", ".join(f"{k} {v:,}" for k, v in recaption["origin"].items())

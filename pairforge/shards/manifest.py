@@ -98,6 +98,23 @@ def _vocab(shards: list[dict[str, Any]]) -> dict[str, Any] | None:
     return json.loads(layout) if layout else None
 
 
+def _classifiers(cfg: PairforgeConfig, shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each classifier as configured (model or head file, label, bound, status) and the rows
+    it scored and dropped over the shards on disk."""
+    steps = _sum_steps(shards)
+    found = []
+    for entry in cfg.process.classifiers:
+        step = steps.get(f"classifier.{entry.name}", {})
+        found.append({
+            "name": entry.name, "score": f"{entry.name}_score", "backend": entry.backend,
+            "model": entry.model if entry.backend == "transformers" else entry.path,
+            "label": entry.label, "drop_above": entry.drop_above,
+            "drop_below": entry.drop_below, "status": entry.status,
+            "rows_scored": step.get("rows_in", 0),
+            "rows_dropped": sum((step.get("ended") or {}).values())})
+    return found
+
+
 def build_manifest(out: OutputDir, cfg: PairforgeConfig) -> dict[str, Any]:
     ids = sorted(int(n.split("_")[0]) for n in out.glob(f"{SHARDS_FOLDER}/*_stats.json"))
     shards = [out.read_json(SHARDS_FOLDER, stats_name(i)) for i in ids]
@@ -116,6 +133,7 @@ def build_manifest(out: OutputDir, cfg: PairforgeConfig) -> dict[str, Any]:
                    "clip_threshold": shards[0].get("clip_threshold") if shards else None,
                    "recaption": (cfg.process.recaption.model
                                  if cfg.process.recaption.enabled else None)},
+        "classifiers": _classifiers(cfg, shards),
         "recaption": _sum_recaption(shards),
         "steps": _sum_steps(shards),
         "budget": {
@@ -147,6 +165,8 @@ def write_dataset_files(out: OutputDir, manifest: dict[str, Any]) -> None:
                         {"url": f"{SHARDS_FOLDER}/{s['name']}", "nsamples": s["samples"]}
                         for s in manifest["shards"]]}, "index.wids.json")
     image_extension = manifest["config"]["download"]["image"]["encode_format"]
-    out.write_json(hf_features(image_extension, manifest["vocab"] is not None),
+    classifiers = manifest.get("classifiers") or []
+    scores = [c["score"] for c in classifiers]
+    out.write_json(hf_features(image_extension, manifest["vocab"] is not None, scores),
                    "features.json")
     out.write_json(manifest, "manifest.json")

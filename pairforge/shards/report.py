@@ -1,8 +1,9 @@
 """`pairforge report`: one self-contained HTML page with the dataset's plots.
 
 Plots (PNG, embedded as data URLs): the funnel, the CLIP-score histogram with the
-threshold, the i2t share of image tokens along each shard's prefix against the target,
-and the tokens per image and per caption.
+threshold, a histogram per classifier score with its bound, the i2t share of image
+tokens along each shard's prefix against the target, and the tokens per image and per
+caption.
 """
 
 from __future__ import annotations
@@ -83,6 +84,31 @@ def _clip(plt: Any, rows: pa.Table, manifest: dict[str, Any]) -> str | None:
     return _png(fig)
 
 
+def _classifier_scores(plt: Any, rows: pa.Table, manifest: dict[str, Any]) -> list[str]:
+    """One histogram per classifier score over the rows it scored, with its bound."""
+    plots = []
+    for entry in manifest.get("classifiers") or []:
+        column = entry["score"]
+        if column not in rows.column_names:
+            continue
+        scores = rows[column].drop_null().to_numpy()
+        if not len(scores):
+            continue
+        fig, ax = plt.subplots(figsize=(7, 3))
+        ax.hist(scores, bins=40, color="#64b5cd")
+        for bound, side in (("drop_above", "dropped above"), ("drop_below", "dropped below")):
+            if entry.get(bound) is not None:
+                ax.axvline(entry[bound], color="#c44e52",
+                           label=f"{side} {entry[bound]:g} ({entry['status']})")
+                ax.legend()
+        ax.set_xlabel(f"{column} ({entry['backend']} {entry['model']}"
+                      + (f", label {entry['label']}" if entry.get("label") else "") + ")")
+        ax.set_title(f"classifier {entry['name']}: {entry['rows_dropped']:,} of "
+                     f"{entry['rows_scored']:,} scored rows dropped")
+        plots.append(_png(fig))
+    return plots
+
+
 def _prefix_share(plt: Any, rows: pa.Table, manifest: dict[str, Any]) -> str | None:
     if "task" not in rows.column_names:
         return None
@@ -127,6 +153,7 @@ def render_report(path: str, storage_options: dict | None = None) -> str:
     out, manifest = open_dataset(path, storage_options)
     rows = _rows(out, manifest)
     plots = [p for p in (_funnel(plt, manifest), _clip(plt, rows, manifest),
+                         *_classifier_scores(plt, rows, manifest),
                          _prefix_share(plt, rows, manifest), _tokens(plt, rows)) if p]
     budget = manifest["budget"]
     summary = (f"{manifest['totals']['samples']:,} samples from "

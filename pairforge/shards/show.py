@@ -2,7 +2,9 @@
 
 Each tile shows the image, beside it what the image tokenizer's decoder makes of its
 codes (when the tokenizer has a decoder), and below them the task, CLIP score, which
-caption trains (recaption or original) and that caption.
+caption trains (recaption or original) and that caption. ``--status STATUS`` shows the rows
+that left with that status instead (e.g. what a classifier dropped as ``unsafe``): the
+image from the raw shard, why it was dropped, and its original caption.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import webdataset as wds
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from pairforge.config import ConfigError
+from pairforge.records import Status
 from pairforge.shards.report import check_output_folder, open_dataset
 from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
 from pairforge.shards.training import IMAGE_EXTENSIONS
@@ -41,6 +44,35 @@ def select_samples(out: OutputDir, task: str | None, grep: str | None,
         chosen.append(sample)
         if len(chosen) == n:
             break
+    return chosen
+
+
+def select_dropped(out: OutputDir, status: str, grep: str | None,
+                   n: int) -> list[dict[str, Any]]:
+    """The first ``n`` rows (in key order) that left stage 3 with ``status``, as samples: the
+    training tars hold only kept samples, so images come from the raw tars."""
+    import pyarrow.parquet as pq
+
+    from pairforge.shards.training import read_raw_images
+
+    chosen: list[dict[str, Any]] = []
+    for shard in out.read_json("manifest.json")["shards"]:
+        if len(chosen) == n:
+            break
+        if not shard["status"].get(status):
+            continue
+        parquet = shard["name"].replace(".tar", ".parquet")
+        with out.fs.open(out.path(SHARDS_FOLDER, parquet), "rb") as f:
+            rows = [r for r in pq.read_table(f).to_pylist() if r["status"] == status
+                    and (not grep or grep.lower() in (r["caption"] or "").lower())]
+        rows = rows[:n - len(chosen)]
+        images = read_raw_images(out, int(shard["name"][:-4]), {r["key"] for r in rows})
+        for row in rows:
+            ext, data = images[row["key"]]
+            meta = {k: v for k, v in row.items()
+                    if k in ("status", "error", "clip_score") or k.endswith("_score")}
+            chosen.append({ext: bytes(data), "__key__": row["key"],
+                           "txt": row["caption"] or "", "json": meta})
     return chosen
 
 
@@ -97,29 +129,45 @@ def contact_sheet(samples: list[dict[str, Any]], recons: list[Image.Image | None
             sheet.paste(_fit(recon.convert("RGB"), TILE), (x + TILE, y))
         meta = sample["json"]
         score = meta.get("clip_score")
-        head = f"{sample['__key__']} {meta.get('task') or ''}" + (
+        head = f"{sample['__key__']} {meta.get('task') or meta.get('status') or ''}" + (
             f" clip {score:.3f}" if score is not None else "") + (
             f" [{meta['caption_source']}]" if meta.get("caption_source") else "")
-        lines = [head, *textwrap.wrap(sample["txt"], width=tile_w // 7)][:TEXT_LINES]
+        why = [meta["error"]] if meta.get("error") else []  # a dropped row: what dropped it
+        lines = [head, *why, *textwrap.wrap(sample["txt"], width=tile_w // 7)][:TEXT_LINES]
         for j, line in enumerate(lines):
             draw.text((x + 4, y + TILE + 4 + j * LINE_HEIGHT), line, fill="black", font=font)
     return sheet
 
 
+def _check_status(status: str | None, task: str | None) -> None:
+    if status is None or status == Status.OK:
+        return
+    if status not in set(Status):
+        raise ConfigError(f"--status {status}: not a status (known: "
+                          f"{', '.join(s.value for s in Status)})")
+    if task:
+        raise ConfigError("--task picks among kept samples; a dropped row has no task")
+
+
 def show(path: str, output: str, task: str | None = None, grep: str | None = None,
          n: int = 16, storage_options: dict | None = None,
-         notes: list[str] | None = None) -> int:
+         notes: list[str] | None = None, status: str | None = None) -> int:
     """Write the sheet to ``output``; returns how many samples it shows. ``notes`` collects
-    what the sheet leaves out and why."""
+    what the sheet leaves out and why. ``status``: rows that left with it instead of kept
+    samples (what a filter dropped, images from the raw shards)."""
     suffix = posixpath.splitext(output)[1].lower()
     if suffix not in Image.registered_extensions():
         raise ConfigError(f"-o {output}: not an image file name (use .png or .jpg)")
     check_output_folder(output)
+    _check_status(status, task)
     out, _ = open_dataset(path, storage_options)
-    samples = select_samples(out, task, grep, n)
+    dropped = status not in (None, Status.OK)
+    samples = (select_dropped(out, status, grep, n) if dropped
+               else select_samples(out, task, grep, n))
     if not samples:
         return 0
-    sheet = contact_sheet(samples, reconstructions(out, samples, notes))
+    recons = [None] * len(samples) if dropped else reconstructions(out, samples, notes)
+    sheet = contact_sheet(samples, recons)
     try:
         sheet.save(output)
     except OSError as err:
