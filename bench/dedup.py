@@ -1,6 +1,24 @@
 """Near-duplicate search of stage 2: time, growth with size, and recall of planted pairs.
 
     python bench/dedup.py [--sizes 10000 100000 1000000] [--workers 1] [--ray]
+    python bench/dedup.py --parts kinds cost join semantic      (issue 19, see below)
+
+Parts (``--parts``, default ``band``):
+
+* ``band``: the band join over one 64-bit hash per image (what follows this list).
+* ``kinds``: recall per planted variant kind (same file, PNG twin, JPEG q60, PNG
+  re-encode, +5 % brightness, half, double, 2-px crop, mirror, 10 % crop) of ``--families``
+  photos among all the COCO sample photos, hashed by stage 1's own image code
+  (``process_image``) and decided by ``find_duplicates``; false merges among distinct
+  photos and the closest distinct pairs (whole hash, and over every point the join uses).
+* ``cost``: CPU per image of the hashes in stage 1 (the whole-image phash alone, all
+  perceptual hashes, the pre-issue-19 box-reduced phash, and ``process_image`` whole).
+* ``join``: ``find_duplicates`` (all hash kinds: whole, mirror, regions) on ``--join-rows``
+  images (default 10^6): COCO rows plus synthetic rows with random hashes and 1 % planted
+  copies (a few bits flipped in every point).
+* ``semantic``: semantic dedup (``filters/semantic``) of ``--semantic-rows`` (default 10^6)
+  512-d embeddings around 1,000 topics with 1 % planted copies (cosine 0.97-0.995): time,
+  planted copies found, and the k-means approximation against all pairs on a subset.
 
 Each size holds the perceptual hashes of the 399 COCO sample photos, of planted variants
 of some of them (re-encodes, resizes, 2-pixel crops, brightness, PNG/WebP), of a few
@@ -141,7 +159,17 @@ def main() -> None:
     parser.add_argument("--generated", type=int, default=500, help="generated images")
     parser.add_argument("--ray", action="store_true", help="also time the Ray version")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", nargs="+", default=["band"],
+                        choices=["band", "kinds", "cost", "join", "semantic"])
+    parser.add_argument("--kind-families", type=int, default=300,
+                        help="photos with planted variants (kinds part)")
+    parser.add_argument("--join-rows", type=int, default=10**6)
+    parser.add_argument("--semantic-rows", type=int, default=10**6)
     args = parser.parse_args()
+    from dedup_kinds import run_parts  # issue 19's parts live beside this file
+
+    if run_parts(args):
+        return
     t, rng = args.max_distance, np.random.default_rng(args.seed)
 
     started = time.perf_counter()

@@ -16,7 +16,8 @@ hash), and a copy with its borders cut meets its original through the original's
 region hash. Each dropped row is then labelled by the direct evidence between it and its
 cluster's survivor, strongest first: exact (same pixels), near (whole-image hashes within
 the distance), mirror (whole against mirrored), crop (any pair involving a region hash);
-a row linked to its survivor only through other members is labelled near.
+a row linked to its survivor only through other members is labelled by its own strongest
+link inside the cluster (its distance stays the whole-image bits to the survivor).
 
 Near pairs come from the pigeonhole principle. Split the hash into ``m`` bands: two
 hashes at Hamming distance ``<= t`` differ in at most ``t`` bands, so they agree exactly
@@ -626,10 +627,11 @@ def _min_distance(a: np.ndarray, a_ok: np.ndarray, b: np.ndarray, b_ok: np.ndarr
 
 def evidence(row_points: np.ndarray, row_ok: np.ndarray, kept_points: np.ndarray,
              kept_ok: np.ndarray, exact: np.ndarray, max_distance: int
-             ) -> tuple[np.ndarray, np.ndarray]:
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Kind (a Status value) and distance in bits of the direct evidence between each
-    dropped row and its survivor, strongest first: exact, near, mirror, crop. A row with no
-    direct evidence (linked through other members) is near, at its whole-image distance."""
+    dropped row and its survivor, strongest first: exact, near, mirror, crop; and whether
+    there was any. A row without (linked through other members) is near, at its
+    whole-image distance, until :func:`_chained_kinds` looks at its own links."""
     k = row_points.shape[1]
     near = _min_distance(row_points, row_ok, kept_points, kept_ok, [(_WHOLE, _WHOLE)])
     mirror = _min_distance(row_points, row_ok, kept_points, kept_ok,
@@ -644,12 +646,37 @@ def evidence(row_points: np.ndarray, row_ok: np.ndarray, kept_points: np.ndarray
                      Status.DUPLICATE_NEAR.value)
     distance = np.select([exact | (near <= max_distance), mirror <= max_distance,
                           crop <= max_distance], [near, mirror, crop], near)
-    return kind, distance
+    direct = exact | (np.minimum(np.minimum(near, mirror), crop) <= max_distance)
+    return kind, distance, direct
+
+
+# A chained row's own links are looked up among at most this many cluster members.
+_CHAIN_MEMBERS = 1000
+
+
+def _chained_kinds(rows: np.ndarray, labels: np.ndarray, points: np.ndarray,
+                   valid: np.ndarray, max_distance: int) -> np.ndarray:
+    """Kind of each row's strongest own link inside its cluster (rows linked to their
+    survivor only through other members: a crop of a photo whose 2x copy survived)."""
+    strength = {Status.DUPLICATE_NEAR.value: 0, Status.DUPLICATE_MIRROR.value: 1,
+                Status.DUPLICATE_CROP.value: 2}
+    kinds = np.full(len(rows), Status.DUPLICATE_NEAR.value, dtype=object)
+    order = np.argsort(labels, kind="stable")
+    starts = np.searchsorted(labels[order], labels[rows], side="left")
+    for i, row in enumerate(rows):
+        members = order[starts[i]:starts[i] + _CHAIN_MEMBERS + 1]
+        members = members[(labels[members] == labels[row]) & (members != row)]
+        found, _, linked = evidence(points[[row] * len(members)], valid[[row] * len(members)],
+                                    points[members], valid[members],
+                                    np.zeros(len(members), bool), max_distance)
+        if linked.any():
+            kinds[i] = min(found[linked], key=strength.__getitem__)
+    return kinds.astype(str)
 
 
 def _duplicates_table(table: pa.Table, dropped: np.ndarray, kept: np.ndarray,
                       exact_losers: np.ndarray, points: np.ndarray, valid: np.ndarray,
-                      max_distance: int) -> pa.Table:
+                      labels: np.ndarray, max_distance: int) -> pa.Table:
     """One row per dropped sample, sorted by key.
 
     ``kind`` is exact when the row's pixels also belong to a better-ranked row (exact
@@ -658,8 +685,10 @@ def _duplicates_table(table: pa.Table, dropped: np.ndarray, kept: np.ndarray,
     bits of that evidence (null when a hash is missing).
     """
     rows, kept = np.flatnonzero(dropped), kept[dropped]
-    kind, distance = evidence(points[rows], valid[rows], points[kept], valid[kept],
-                              exact_losers[rows], max_distance)
+    kind, distance, direct = evidence(points[rows], valid[rows], points[kept], valid[kept],
+                                      exact_losers[rows], max_distance)
+    if not direct.all():
+        kind[~direct] = _chained_kinds(rows[~direct], labels, points, valid, max_distance)
     kept_key = table["key"].take(kept)
     kept_source = table["source"].take(kept)
     cluster = pc.if_else(pc.is_null(kept_source), kept_key,
@@ -749,7 +778,8 @@ def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = 
     kept = _best_of_groups(labels, rank)
     dropped = (kept != np.arange(len(table))) & ~from_index
     exact = _exact_losers(graph.exact_codes, rank)
-    duplicates = _duplicates_table(table, dropped, kept, exact, points, valid, max_distance)
+    duplicates = _duplicates_table(table, dropped, kept, exact, points, valid, labels,
+                                   max_distance)
     stats = _stats(duplicates, from_index, labels, dropped, uninformative, valid[:, _WHOLE],
                    near, len(values), max_distance)
     return DedupResult(duplicates, stats)
