@@ -83,7 +83,8 @@ def _print_dedup(stats: dict[str, Any]) -> None:
     if not stats.get("enabled", True):
         console.print("[b]dedup[/b]: disabled")
         return
-    fields = ["ok_rows", "duplicate_exact", "duplicate_near", "clusters", "kept",
+    fields = ["ok_rows", "duplicate_exact", "duplicate_near", "duplicate_mirror",
+              "duplicate_crop", "clusters", "kept",
               "degenerate_hashes", "dense_phashes", "index_rows"]
     shown = ", ".join(f"{f.replace('_', ' ')} {stats[f]:,}" for f in fields if f in stats)
     console.print(f"[b]dedup[/b]: {shown}")
@@ -158,12 +159,16 @@ def show(path: PathArg,
          n: Annotated[int, typer.Option("-n", help="samples on the sheet")] = 16,
          status: Annotated[str | None, typer.Option(
              help="rows that left with this status instead (e.g. unsafe: what a "
-             "classifier dropped)")] = None) -> None:
+             "classifier dropped)")] = None,
+         duplicates: Annotated[bool, typer.Option(
+             "--duplicates", help="dropped duplicates (of --status's kind, or all), each "
+             "beside the row that was kept")] = False) -> None:
     """A contact sheet: image, VQ reconstruction, task, CLIP score and caption."""
     from pairforge.shards.show import show as make_sheet
 
     notes: list[str] = []
-    shown = _run_guarded(make_sheet, path, output, task, grep, n, None, notes, status)
+    shown = _run_guarded(make_sheet, path, output, task, grep, n, None, notes, status,
+                         duplicates)
     for note in notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}", soft_wrap=True)
     if not shown:

@@ -12,12 +12,13 @@ import pytest
 import yaml
 from conftest import COCO_IMAGES
 from loopback_server import LoopbackServer
-from PIL import Image
+from PIL import Image, ImageOps
 
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory) -> Path:
-    """Eight COCO photos plus an exact copy, a PNG, a q60 re-encode and a half-size copy."""
+    """Eight COCO photos plus an exact copy, a PNG, a q60 re-encode, a half-size copy, a
+    mirror and a copy with 10 % cut off every side."""
     folder = tmp_path_factory.mktemp("planted")
     names = sorted(p.name for p in COCO_IMAGES.glob("*.jpg"))[:8]
     for name in names:
@@ -28,12 +29,17 @@ def planted(tmp_path_factory) -> Path:
     Image.open(COCO_IMAGES / names[1]).save(folder / "q60.jpg", quality=60)
     second = Image.open(COCO_IMAGES / names[2])
     second.resize((second.width // 2, second.height // 2)).save(folder / "half.jpg", quality=90)
+    ImageOps.mirror(Image.open(COCO_IMAGES / names[3])).save(folder / "mirror.jpg", quality=95)
+    fifth = Image.open(COCO_IMAGES / names[4])
+    dx, dy = round(fifth.width * 0.1), round(fifth.height * 0.1)
+    fifth.crop((dx, dy, fifth.width - dx, fifth.height - dy)).save(folder / "crop10.jpg",
+                                                                   quality=95)
     return folder
 
 
 def test_build_drops_planted_duplicates_and_the_funnel_adds_up(tmp_path, planted):
     names = sorted(p.name for p in planted.glob("sample_*.jpg"))
-    variants = ["copy.jpg", "lossless.png", "q60.jpg", "half.jpg"]
+    variants = ["copy.jpg", "lossless.png", "q60.jpg", "half.jpg", "mirror.jpg", "crop10.jpg"]
     with LoopbackServer(planted) as server:
         urls = [server.url(f"/img/{n}") for n in names + variants] + [server.url("/html")]
         rows = [f"{u},a photograph of something number {i}" for i, u in enumerate(urls)]
@@ -61,6 +67,8 @@ def test_build_drops_planted_duplicates_and_the_funnel_adds_up(tmp_path, planted
     assert status[key["lossless.png"]] == "duplicate_exact"
     assert status[key["q60.jpg"]] == "duplicate_near"
     assert status[key["half.jpg"]] == "duplicate_near"
+    assert status[key["mirror.jpg"]] == "duplicate_mirror"
+    assert status[key["crop10.jpg"]] == "duplicate_crop"
     assert all(status[key[n]] == "ok" for n in names)  # the originals survive
     assert list(status.values()).count("not_an_image") == 1
     by_key = {r["key"]: r for r in table}
@@ -68,5 +76,14 @@ def test_build_drops_planted_duplicates_and_the_funnel_adds_up(tmp_path, planted
 
     dedup = json.loads((out / "dedup" / "dedup_stats.json").read_text())
     assert dedup["duplicate_exact"] == 2 and dedup["duplicate_near"] == 2
+    assert dedup["duplicate_mirror"] == 1 and dedup["duplicate_crop"] == 1
+    assert by_key[key["crop10.jpg"]]["duplicate_of"] == key[names[4]]
     raw_total = sum(json.loads(p.read_text())["count"] for p in (out / "raw").glob("*_stats.json"))
     assert raw_total == len(urls)
+    # every dropped duplicate beside the row it was dropped for, through the CLI
+    sheet = tmp_path / "duplicates.png"
+    shown = subprocess.run([sys.executable, "-m", "pairforge.cli", "show", str(out),
+                            "--duplicates", "-o", str(sheet)], capture_output=True, text=True,
+                           timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert "6 samples" in shown.stdout + shown.stderr and sheet.exists()

@@ -246,3 +246,14 @@ def test_stage3_drops_semantic_copies_beside_their_kept_rows(tmp_path, tiny_clip
         assert row["duplicate_of"] == twin["key"] and twin["status"] == "ok"
     assert sum(r["status"] == "ok" for r in rows.values()) == 10
     assert summary["semantic_dedup"]["duplicate_semantic"] == 3
+    # every decision explained: counts per kind, and each dropped row beside the kept one
+    from pairforge.shards.duplicates import summary_lines
+    from pairforge.shards.show import TILE, show
+
+    final = json.loads((raw / "manifest.json").read_text())["funnel"]["final"]
+    lines = summary_lines(_out(raw), final)
+    assert lines[0] == ("duplicates: 3 (exact 0, near 0, mirror 0, crop 0, semantic 3)")
+    assert "13 CLIP embeddings in 1 k-means clusters" in lines[1]
+    sheet = tmp_path / "duplicates.png"
+    assert show(str(raw), str(sheet), duplicates=True) == 3
+    assert Image.open(sheet).width == 4 * 2 * TILE  # a kept image beside every dropped one

@@ -151,16 +151,20 @@ def _check_status(status: str | None, task: str | None) -> None:
 
 def show(path: str, output: str, task: str | None = None, grep: str | None = None,
          n: int = 16, storage_options: dict | None = None,
-         notes: list[str] | None = None, status: str | None = None) -> int:
+         notes: list[str] | None = None, status: str | None = None,
+         duplicates: bool = False) -> int:
     """Write the sheet to ``output``; returns how many samples it shows. ``notes`` collects
     what the sheet leaves out and why. ``status``: rows that left with it instead of kept
-    samples (what a filter dropped, images from the raw shards)."""
+    samples (what a filter dropped, images from the raw shards). ``duplicates``: dropped
+    duplicates (of kind ``status``, or all), each beside the row that was kept."""
     suffix = posixpath.splitext(output)[1].lower()
     if suffix not in Image.registered_extensions():
         raise ConfigError(f"-o {output}: not an image file name (use .png or .jpg)")
     check_output_folder(output)
     _check_status(status, task)
     out, _ = open_dataset(path, storage_options)
+    if duplicates:
+        return _duplicates_sheet(out, output, status, grep, n)
     dropped = status not in (None, Status.OK)
     samples = (select_dropped(out, status, grep, n) if dropped
                else select_samples(out, task, grep, n))
@@ -173,3 +177,22 @@ def show(path: str, output: str, task: str | None = None, grep: str | None = Non
     except OSError as err:
         raise ConfigError(f"-o {output}: cannot write ({err.strerror or err})") from None
     return len(samples)
+
+
+def _duplicates_sheet(out: OutputDir, output: str, kind: str | None, grep: str | None,
+                      n: int) -> int:
+    """Dropped duplicates, each with the image of the row it was dropped for beside it."""
+    from pairforge.shards.duplicates import DUPLICATE_KINDS, duplicate_pairs
+
+    if kind is not None and kind not in DUPLICATE_KINDS:
+        raise ConfigError(f"--duplicates --status {kind}: not a duplicate kind (known: "
+                          f"{', '.join(k.value for k in DUPLICATE_KINDS)})")
+    pairs = duplicate_pairs(out, kind, grep, n)
+    if not pairs:
+        return 0
+    sheet = contact_sheet([s for s, _ in pairs], [kept for _, kept in pairs])
+    try:
+        sheet.save(output)
+    except OSError as err:
+        raise ConfigError(f"-o {output}: cannot write ({err.strerror or err})") from None
+    return len(pairs)
