@@ -29,13 +29,14 @@ def pixel_hash_hex(image: Image.Image, pixels: bytes | None = None) -> str:
     return digest.hexdigest()[:32]
 
 
-# phash looks at a 32x32 Lanczos thumbnail taken straight from the decoded image. Pillow's
-# Lanczos widens its kernel with the reduction factor (true area-weighted antialiasing), so
-# the thumbnail of a photo and of its 0.5x or 2x resize are nearly the same pixels. An
-# earlier box pre-reduction by an integer factor (min side // 64) made the two sides see
-# different grids (factor 3 at 300 px, 1 at 150 px, 7 at 600 px) and moved 0.5x/2x copies
-# past 4 bits (issue 19); the reduction was a speed trick that the separable resize,
-# whose cost grows with the output width (32 px), does not need.
+# phash looks at a 32x32 Lanczos thumbnail of a fixed 128x128 grey intermediate, made with
+# Pillow's antialiased bilinear filter, whose kernel widens with the reduction: a photo and
+# its 0.5x or 2x copy give nearly the same intermediate, so their hashes move by at most 2
+# bits. Until issue 19 the image was box-reduced by an integer factor (min side // 64)
+# instead, which put 0.5x/2x copies on other grids and past 4 bits. The intermediate is
+# also what keeps the cost flat: Lanczos straight from a 640x480 decode (a kernel 120 px
+# wide) cost 1.5 ms per hash, the bilinear step ~0.3 ms once for all six hashes.
+_INTERMEDIATE_SIDE = 128
 _PHASH_SIDE, _PHASH_BITS_SIDE = 32, 8
 # imagehash.phash takes scipy.fftpack's unnormalised DCT-II of the 32x32 thumbnail along
 # both axes and keeps the 8x8 lowest frequencies: y[k] = 2 sum_n x[n] cos(pi k (2n+1) / 2N).
@@ -63,8 +64,15 @@ class PerceptualHashes:
     crop_phashes: tuple[int, ...]  # per CROP_FRACTIONS region: its hash, then its mirror's
 
 
-def _low_frequencies(grey: Image.Image) -> np.ndarray:
-    thumb = grey.resize((_PHASH_SIDE, _PHASH_SIDE), Image.Resampling.LANCZOS)
+def _intermediate(image: Image.Image) -> Image.Image:
+    side = _INTERMEDIATE_SIDE
+    return image.convert("L").resize((side, side), Image.Resampling.BILINEAR)
+
+
+def _low_frequencies(grey: Image.Image, box: tuple[float, ...] | None = None) -> np.ndarray:
+    """The 8x8 lowest DCT frequencies of the 32x32 thumbnail of ``grey`` (or of its
+    fractional ``box`` region: no rounding of the region to whole pixels)."""
+    thumb = grey.resize((_PHASH_SIDE, _PHASH_SIDE), Image.Resampling.LANCZOS, box=box)
     low = _DCT_ROWS @ np.asarray(thumb, dtype=np.float64) @ _DCT_ROWS.T
     # Rounding zeroes the products' float noise (~1e-12), where the FFT gives exact zeros:
     # a flat image must keep its one-bit hash (dedup skips such degenerate hashes).
@@ -76,24 +84,24 @@ def _bits(low: np.ndarray) -> int:
     return int.from_bytes(np.packbits(bits).tobytes(), "big")
 
 
-def _centre(grey: Image.Image, fraction: float) -> Image.Image:
-    width, height = grey.size
-    margin_x, margin_y = round(width * (1 - fraction) / 2), round(height * (1 - fraction) / 2)
-    return grey.crop((margin_x, margin_y, width - margin_x, height - margin_y))
+def _centre(fraction: float) -> tuple[float, float, float, float]:
+    margin = _INTERMEDIATE_SIDE * (1 - fraction) / 2
+    return (margin, margin, _INTERMEDIATE_SIDE - margin, _INTERMEDIATE_SIDE - margin)
 
 
 def phash_u64(image: Image.Image) -> int:
-    """64-bit perceptual hash (imagehash.phash's 8x8 DCT bits) as an unsigned integer."""
-    return _bits(_low_frequencies(image.convert("L")))
+    """64-bit perceptual hash (imagehash.phash's 8x8 DCT bits, of the 128x128 intermediate)
+    as an unsigned integer."""
+    return _bits(_low_frequencies(_intermediate(image)))
 
 
 def perceptual_hashes(image: Image.Image) -> PerceptualHashes:
     """The whole-image phash, its mirror's, and the centre regions' (with mirrors)."""
-    grey = image.convert("L")
+    grey = _intermediate(image)
     low = _low_frequencies(grey)
     crops: list[int] = []
     for fraction in CROP_FRACTIONS:
-        region = _low_frequencies(_centre(grey, fraction))
+        region = _low_frequencies(grey, _centre(fraction))
         crops += [_bits(region), _bits(region * _MIRROR_SIGN)]
     return PerceptualHashes(_bits(low), _bits(low * _MIRROR_SIGN), tuple(crops))
 
