@@ -165,6 +165,7 @@ def main() -> None:
                         help="photos with planted variants (kinds part)")
     parser.add_argument("--join-rows", type=int, default=10**6)
     parser.add_argument("--semantic-rows", type=int, default=10**6)
+    parser.add_argument("--probes", type=int, default=2, help="semantic: clusters per row")
     args = parser.parse_args()
     from dedup_kinds import run_parts  # issue 19's parts live beside this file
 

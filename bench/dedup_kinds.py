@@ -225,17 +225,18 @@ def _embeddings(n: int, seed: int, dim: int = 512, topics: int = 1000
     return x, source, base
 
 
-def semantic_part(n: int, seed: int) -> None:
+def semantic_part(n: int, seed: int, probes: int) -> None:
     x, source, base = _embeddings(n, seed)
     keys = pa.array([make_key(i // 10_000, i % 10_000) for i in range(n)], pa.string())
     k = default_clusters(n, 1000)
     started = time.perf_counter()
-    result = semantic_duplicates(keys, x, np.full(n, 10_000), 0.95, k, mapper=None)
+    result = semantic_duplicates(keys, x, np.full(n, 10_000), 0.95, k, probes=probes)
     took = time.perf_counter() - started
     dropped = set(result.duplicates["key"].to_pylist())
     found = sum(keys[base + i].as_py() in dropped or keys[int(s)].as_py() in dropped
                 for i, s in enumerate(source))
-    print(f"\nsemantic dedup of {n:,} x {x.shape[1]} embeddings, {k:,} clusters: {took:.1f}s; "
+    print(f"\nsemantic dedup of {n:,} x {x.shape[1]} embeddings, {k:,} clusters, {probes} "
+          f"probe(s): {took:.1f}s; "
           f"{result.stats}; planted copies caught {found:,}/{len(source):,}; peak RSS "
           f"{_rss_gib():.1f} GiB")
     del x
@@ -249,11 +250,12 @@ def _semantic_vs_all_pairs(n: int, seed: int) -> None:
     x, _, _ = _embeddings(n, seed + 1)
     keys = pa.array([make_key(i // 10_000, i % 10_000) for i in range(n)], pa.string())
     k = default_clusters(n, 1000)
-    result = semantic_duplicates(keys, x, np.full(n, 10_000), 0.95, k)
     reference = brute_force_pairs(x, 0.95)
-    print(f"{n:,} embeddings in {k} clusters: {result.stats['pairs']:,} pairs found of the "
-          f"{len(reference):,} that all-pairs comparison finds "
-          f"({result.stats['pairs'] / max(1, len(reference)):.4f})")
+    for probes in (1, 2):
+        result = semantic_duplicates(keys, x, np.full(n, 10_000), 0.95, k, probes=probes)
+        print(f"{n:,} embeddings in {k} clusters, {probes} probe(s): {result.stats['pairs']:,} "
+              f"pairs found of the {len(reference):,} that all-pairs comparison finds "
+              f"({result.stats['pairs'] / max(1, len(reference)):.4f})")
 
 
 def run_parts(args: argparse.Namespace) -> bool:
@@ -265,5 +267,5 @@ def run_parts(args: argparse.Namespace) -> bool:
     if "join" in args.parts:
         join_part(args.join_rows, args.seed)
     if "semantic" in args.parts:
-        semantic_part(args.semantic_rows, args.seed)
+        semantic_part(args.semantic_rows, args.seed, args.probes)
     return "band" not in args.parts

@@ -112,6 +112,21 @@ def test_planted_duplicates_decided_as_brute_force_decides(seed):
     assert {r["kind"] for r in dropped.values()} == {Status.DUPLICATE_SEMANTIC}
 
 
+def test_more_probes_find_the_pairs_a_cluster_boundary_splits():
+    """One probe (SemDeDup) misses pairs split by k-means; two find more; probing every
+    cluster is the all-pairs comparison itself."""
+    x, _ = planted(3000, 64, 200, seed=5, topics=200, spread=0.3)
+    keys = keys_for(len(x))
+    area = np.ones(len(x))
+    found = {p: semantic_duplicates(keys, x, area, 0.9, clusters=10, probes=p).stats["pairs"]
+             for p in (1, 2, 10)}
+    over, near = brute_pairs(x, 0.9)
+    assert found[1] < found[2] <= found[10]
+    assert abs(found[10] - len(over)) <= len(near)
+    print(f"\n[semantic] pairs found with 1/2/10 probes of 10 clusters: {found}, all pairs "
+          f"{len(over)}")
+
+
 def test_survivor_rule_largest_then_lowest_key_whatever_the_order():
     x, plants = planted(2000, 64, 100, seed=3)
     keys = keys_for(len(x))
@@ -179,7 +194,8 @@ def test_semantic_pass_on_ray_matches_the_algorithm_and_is_reused(tmp_path, ray_
     # only rows CLIP keeps take part: a survivor dropped for its score would take its copies
     keep = np.array(scores) >= 0.2
     expected = semantic_duplicates(pa.array(np.array(keys)[keep]), x[keep],
-                                   np.full(keep.sum(), 10_000), 0.95, clusters=stats["clusters"])
+                                   np.full(keep.sum(), 10_000), 0.95, clusters=stats["clusters"],
+                                   probes=stats["probes"])
     assert table.equals(expected.duplicates)
     assert stats["embeddings"] == keep.sum() and stats["duplicate_semantic"] == len(table) > 50
     # stage 3's plan skips them and the writer gives them their status

@@ -174,14 +174,15 @@ def run_semantic_dedup(cfg: PairforgeConfig, out: OutputDir, steps: list[type[St
             pc.fill_null(rows["area"], 0).to_numpy(), semantic.threshold,
             default_clusters(rows.num_rows, semantic.rows_per_cluster), semantic.iterations,
             semantic.seed, ray_pairs_mapper(cfg.ray.max_task_retries),
-            groups=2 * max(1, int(ray.cluster_resources().get("CPU", 1))))
+            groups=2 * max(1, int(ray.cluster_resources().get("CPU", 1))),
+            probes=semantic.probes)
         table, stats = result.duplicates, result.stats
     out.makedirs(DEDUP_FOLDER)
     with out.open_atomic(DEDUP_FOLDER, SEMANTIC_FILE) as f:
         pq.write_table(table, f)
     stats = {"stage": "semantic_dedup", **stats, "score_threshold": _score_threshold(cfg),
              "inputs_digest": digest,
-             "seconds": {"read": round(read_s, 3),
+             "seconds": {**stats.get("seconds", {}), "read": round(read_s, 3),
                          "total": round(time.perf_counter() - started, 3)}}
     out.write_json(stats, DEDUP_FOLDER, SEMANTIC_STATS)  # last: the completion marker
     return stats
