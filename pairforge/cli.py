@@ -211,12 +211,15 @@ def eval_run(
     = Path("eval.json"),
     prompts: Annotated[int, typer.Option(help="held-out prompts to draw")] = 200,
     captions: Annotated[int, typer.Option(help="held-out images to caption")] = 200,
-    cfg_scale: Annotated[float, typer.Option(help="classifier-free guidance scale")] = 3.0,
+    cfg_scale: Annotated[list[float] | None, typer.Option(
+        help="classifier-free guidance scale; give it more than once to choose the best on "
+             "separate validation prompts [default: 1.0, 1.5, 3.0]")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     sheet: Annotated[Path | None, typer.Option(help="PNG of the first drawings")] = None,
 ) -> None:
     """Scene world: prompt adherence of a run's CFG drawings (judged) and the accuracy of
     its greedy captions, on held-out scenes (pairforge/scenes)."""
+    cfg_scale = cfg_scale or [1.0, 1.5, 3.0]
     from pairforge.scenes.evaluate import evaluate_run, table, write_json
 
     result = evaluate_run(run, prompts, captions, cfg_scale, seed=seed, sheet=sheet)

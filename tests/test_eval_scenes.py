@@ -51,7 +51,8 @@ def test_eval_verb_prints_a_table_and_writes_json(tmp_path):
     run = _run_folder(tmp_path)
     out = tmp_path / "eval.json"
     result = CliRunner().invoke(app, ["eval", str(run), "--prompts", "5", "--captions", "4",
-                                      "--json", str(out), "--sheet", str(tmp_path / "s.png")])
+                                      "--cfg-scale", "3.0", "--json", str(out),
+                                      "--sheet", str(tmp_path / "s.png")])
     assert result.exit_code == 0, result.output
     assert "adherence (5)" in result.output and "caption_accuracy (4)" in result.output
     report = json.loads(out.read_text())
@@ -64,5 +65,23 @@ def test_eval_verb_prints_a_table_and_writes_json(tmp_path):
     assert (tmp_path / "s.png").stat().st_size > 0
     again = tmp_path / "again.json"
     CliRunner().invoke(app, ["eval", str(run), "--prompts", "5", "--captions", "4",
-                             "--json", str(again)])
+                             "--cfg-scale", "3.0", "--json", str(again)])
     assert json.loads(again.read_text())["adherence"] == report["adherence"]  # seeded
+
+
+def test_eval_chooses_the_guidance_scale_on_validation_prompts(tmp_path, monkeypatch):
+    """Several scales: each is tried on the validation scenes (not the measured ones) and
+    the best all-attribute adherence wins, ties going to the smaller scale."""
+    from pairforge.scenes import evaluate
+
+    monkeypatch.setattr(evaluate, "VALIDATION_PROMPTS", 6)
+    run = _run_folder(tmp_path)
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(app, ["eval", str(run), "--prompts", "4", "--captions", "2",
+                                      "--cfg-scale", "3.0", "--cfg-scale", "1.5",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    drawn = json.loads(out.read_text())["adherence"]
+    # a random-weight model draws nothing right at any scale: the tie goes to 1.5
+    assert drawn["validation_by_scale"] == {"1.5": 0.0, "3.0": 0.0}
+    assert drawn["cfg_scale"] == 1.5 and "guidance scale 1.5 (chosen on" in result.output
