@@ -444,6 +444,23 @@ def test_index_of_an_earlier_build_wins(coco):
     assert len(index2) == len(index) + len(second) + len(fresh) - len(dropped)
 
 
+def test_an_index_of_an_older_version_still_wins(coco):
+    """An index written before mirror/region hashes existed (no such columns) is read as
+    whole-hash rows: a re-encode of a photo it shipped is still dropped in its favour."""
+    first = [s for s in coco if s.variant == "original"]
+    rows1 = to_rows(first)
+    index = next_index(rows1, find_duplicates(rows1, T).duplicates, "old")
+    old = index.drop_columns(["phash_mirror", "crop_phashes"])
+    q60 = [Sample(**{**s.__dict__, "key": make_key(0, i)})
+           for i, s in enumerate(x for x in coco if x.variant == "q60")]
+    dropped = duplicates_of(q60, index=old)
+    assert set(dropped) == {s.key for s in q60}
+    assert {r["kept_source"] for r in dropped.values()} == {"old"}
+    merged = next_index(to_rows(q60), find_duplicates(to_rows(q60), T, index=old).duplicates,
+                        "new", old)
+    assert len(merged) == len(index) and pc.all(pc.is_null(merged["phash_mirror"])).as_py()
+
+
 # ------------------------------------------------------------------- the stage on Ray
 
 
