@@ -19,6 +19,8 @@ Parts (``--parts``, default ``band``):
 * ``semantic``: semantic dedup (``filters/semantic``) of ``--semantic-rows`` (default 10^6)
   512-d embeddings around 1,000 topics with 1 % planted copies (cosine 0.97-0.995): time,
   planted copies found, and the k-means approximation against all pairs on a subset.
+* ``semantic-ray``: the same embeddings through the stage's own pass on a local 2-CPU Ray
+  (``pipeline/semantic_stage.run_semantic_dedup`` over shard files as CLIP writes them).
 
 Each size holds the perceptual hashes of the 399 COCO sample photos, of planted variants
 of some of them (re-encodes, resizes, 2-pixel crops, brightness, PNG/WebP), of a few
@@ -160,7 +162,7 @@ def main() -> None:
     parser.add_argument("--ray", action="store_true", help="also time the Ray version")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", nargs="+", default=["band"],
-                        choices=["band", "kinds", "cost", "join", "semantic"])
+                        choices=["band", "kinds", "cost", "join", "semantic", "semantic-ray"])
     parser.add_argument("--kind-families", type=int, default=300,
                         help="photos with planted variants (kinds part)")
     parser.add_argument("--join-rows", type=int, default=10**6)

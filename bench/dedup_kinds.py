@@ -258,6 +258,73 @@ def _semantic_vs_all_pairs(n: int, seed: int) -> None:
               f"({result.stats['pairs'] / max(1, len(reference)):.4f})")
 
 
+def _write_scored_shards(root: Path, x: np.ndarray, keys: list[str], shard_size: int) -> None:
+    """OUT/raw, OUT/clip and OUT/embeddings as stage 1 and CLIP's scoring pass leave them."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from pairforge.records import raw_schema
+    from pairforge.shards.storage import OutputDir
+    from pairforge.shards.training import write_embeddings
+
+    out = OutputDir(str(root))
+    for name in ("raw", "clip"):
+        (root / name).mkdir(parents=True, exist_ok=True)
+    for shard, start in enumerate(range(0, len(keys), shard_size)):
+        part = keys[start:start + shard_size]
+        columns = {n: pa.nulls(len(part)) for n in raw_schema().names}
+        columns.update(key=pa.array(part), status=pa.array(["ok"] * len(part)),
+                       original_width=pa.array([640] * len(part), pa.int32()),
+                       original_height=pa.array([480] * len(part), pa.int32()))
+        table = pa.table({n: columns[n].cast(raw_schema().field(n).type)
+                          for n in raw_schema().names})
+        pq.write_table(table, root / "raw" / f"{shard:05d}.parquet")
+        (root / "raw" / f"{shard:05d}_stats.json").write_text(json.dumps(
+            {"count": len(part), "status": {"ok": len(part)}}))
+        pq.write_table(pa.table({"key": part, "status": ["ok"] * len(part),
+                                 "clip_score": pa.array([0.3] * len(part), pa.float32())}),
+                       root / "clip" / f"{shard:05d}.parquet")
+        write_embeddings(out, shard, part, x[start:start + shard_size])
+
+
+def semantic_ray_part(n: int, seed: int, probes: int) -> None:
+    """The stage's own pass (pipeline/semantic_stage.py) on a local 2-CPU Ray: shard
+    files read by tasks, k-means on the driver, the pair search as Ray tasks."""
+    import shutil
+    import tempfile
+
+    from pairforge.config import parse_config
+    from pairforge.pipeline.ray_runtime import init_ray
+    from pairforge.pipeline.semantic_stage import run_semantic_dedup
+    from pairforge.shards.storage import OutputDir
+
+    shard_size = 10_000
+    x, _, _ = _embeddings(n, seed)
+    keys = [make_key(i // shard_size, i % shard_size) for i in range(n)]
+    root = Path(tempfile.mkdtemp(prefix="semantic-bench-"))
+    try:
+        started = time.perf_counter()
+        _write_scored_shards(root, x, keys, shard_size)
+        print(f"\nwrote {n:,} embeddings in {n // shard_size} shards in "
+              f"{time.perf_counter() - started:.0f}s")
+        del x
+        cfg = parse_config({"input": {"path": "unused", "shard_size": shard_size},
+                            "output": {"path": str(root)},
+                            "ray": {"num_cpus": 2, "object_store_memory": 5 * 1024**3},
+                            "dedup": {"enabled": False,
+                                      "semantic": {"enabled": True, "probes": probes}},
+                            "process": {"clip": {"enabled": True, "mode": "score_only"}}})
+        init_ray(cfg.ray)
+        started = time.perf_counter()
+        stats = run_semantic_dedup(cfg, OutputDir(str(root)), steps=[])
+        took = time.perf_counter() - started
+        print(f"semantic pass on Ray (2 CPUs), {n:,} x 512, {probes} probe(s): {took:.1f}s "
+              f"(Ray start not counted); {stats}; peak RSS of the driver {_rss_gib():.1f} GiB")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def run_parts(args: argparse.Namespace) -> bool:
     """Run issue 19's parts; True when nothing else (the band part) is asked for."""
     if "kinds" in args.parts:
@@ -268,4 +335,6 @@ def run_parts(args: argparse.Namespace) -> bool:
         join_part(args.join_rows, args.seed)
     if "semantic" in args.parts:
         semantic_part(args.semantic_rows, args.seed, args.probes)
+    if "semantic-ray" in args.parts:
+        semantic_ray_part(args.semantic_rows, args.seed, args.probes)
     return "band" not in args.parts
