@@ -51,6 +51,12 @@ def _print_stage(name: str, summary: dict[str, Any]) -> None:
     console.print(f"[b]{name}[/b]: {summary['shards']} shards ({skipped} already complete), "
                   f"{summary['rows']:,} rows in {summary.get('seconds', 0)} s{note}")
     console.print(status_table(summary["status"], f"{name} funnel"))
+    semantic = summary.get("semantic_dedup")
+    if semantic:  # stage 3's semantic pass (dedup.semantic)
+        console.print(f"[b]semantic dedup[/b]: {semantic.get('duplicate_semantic', 0):,} of "
+                      f"{semantic.get('embeddings', 0):,} embedded rows dropped "
+                      f"({semantic.get('clusters', 0):,} clusters, cosine >= "
+                      f"{semantic.get('threshold')})")
 
 
 def _run_guarded(fn, *args):  # noqa: ANN001, ANN202
