@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -167,15 +168,28 @@ def train_run(work: Path, shards: Path, name: str, recipe: str, schedule: str, s
 
 
 def measure(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The run's measures, kept beside it (measured.json) for as long as the measuring
+    settings stay the same, so a rerun with more arms measures only the new runs."""
+    saved = Path(run["run"]) / "measured.json"
+    settings = {"prompts": args.prompts, "cfg_scales": args.cfg_scales}
+    if saved.exists() and (kept := json.loads(saved.read_text()))["settings"] == settings:
+        return kept["measures"]
+    measures = _measure(run, args)
+    saved.write_text(json.dumps({"settings": settings, "measures": measures}))
+    return measures
+
+
+def _measure(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     from pairforge.scenes.evaluate import evaluate_run
 
     result = evaluate_run(run["run"], prompts=args.prompts, captions=args.prompts,
-                          cfg_scale=args.cfg_scale, seed=0,
+                          cfg_scale=args.cfg_scales, seed=0,
                           sheet=Path(run["run"]) / "adherence.png")
     held = run["report"]["final"]["heldout"]
     a, c = result["adherence"], result["caption_accuracy"]
     return {**{k: held[k] for k in LOSSES}, "adherence": a["all"],
-            "adherence_colour_shape": a["colour+shape"],
+            "adherence_colour_shape": a["colour+shape"], "cfg_scale": a["cfg_scale"],
+            "validation_adherence_by_scale": a["validation_by_scale"],
             "adherence_per_attribute": {k: a[k] for k in
                                         ("count", "colour", "shape", "size", "position",
                                          "background")},
@@ -212,13 +226,13 @@ def fmt(arm: dict[str, Any], key: str) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    head = ("| arm | adherence (all) | colour+shape | L_I\\|T | L_I\\|∅ | L_T\\|I | L_T | "
-            "caption accuracy | training captions exact |")
-    lines = [head, "|" + "---|" * 9]
+    head = ("| arm | adherence (all) | colour+shape | guidance | L_I\\|T | L_I\\|∅ | L_T\\|I | "
+            "L_T | caption accuracy | training captions exact |")
+    lines = [head, "|" + "---|" * 10]
     for group in ("arms", "recipe"):
         for name, arm in result[group].items():
             lines.append(f"| {group}/{name} | {fmt(arm, 'adherence')} | "
-                         f"{fmt(arm, 'adherence_colour_shape')} | "
+                         f"{fmt(arm, 'adherence_colour_shape')} | {arm['cfg_scale']:.2f} | "
                          + " | ".join(fmt(arm, k) for k in LOSSES)
                          + f" | {fmt(arm, 'caption_accuracy')} | "
                          f"{arm.get('training_caption_exact', float('nan')):.3f} |")
@@ -277,22 +291,29 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, help="default: 1 with --quick, else 3")
     parser.add_argument("--work", type=Path, help="where builds and runs go (reused)")
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--train", type=int, help="training scenes (default 3000 / 8000)")
-    parser.add_argument("--heldout", type=int, default=200, help="held-out shard scenes")
-    parser.add_argument("--prompts", type=int, help="held-out prompts / captions per run")
-    parser.add_argument("--steps", type=int, help="optimizer steps per run")
+    parser.add_argument("--train", type=int, default=10000, help="training scenes")
+    parser.add_argument("--heldout", type=int, default=1000, help="held-out shard scenes")
+    parser.add_argument("--prompts", type=int, default=200,
+                        help="held-out prompts / captions per run")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (1500 / 3000)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--cfg-scale", type=float, default=3.0)
+    parser.add_argument("--cfg-scales", default="1.0,1.5,3.0",
+                        help="guidance scales; each run uses the one with the best adherence "
+                             "on separate validation prompts")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads per run (1: two stall each other on a busy machine)")
+                        help="torch threads per training run")
+    parser.add_argument("--skip", default="", help="arms not to run, comma-separated "
+                        "(e.g. recipe/baseline-p0.1); the plot needs arms/ and corruption/")
+    parser.add_argument("--parallel", type=int, default=2,
+                        help="training runs at once (2 x 1 thread beats 1 x 2 on 2 cores)")
     args = parser.parse_args()
     args.seeds = args.seeds or (1 if args.quick else 3)
-    args.train = args.train or (3000 if args.quick else 8000)
-    args.prompts = args.prompts or (100 if args.quick else 200)
-    args.steps = args.steps or (600 if args.quick else 1500)
+    args.steps = args.steps or (1500 if args.quick else 3000)
+    args.cfg_scales = [float(x) for x in args.cfg_scales.split(",")]
+    args.skip = {arm for arm in args.skip.split(",") if arm}
     work = args.work or Path(tempfile.mkdtemp(prefix="pairforge-ablation-"))
     import torch
 
@@ -313,6 +334,9 @@ def run_all(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     train, held = write_site(work, args.train, args.heldout)
     text = train_text_tokenizer(work, train)
     builds, runs = plan(args.quick)
+    runs = {key: run for key, run in runs.items() if key not in args.skip}
+    builds = {name: build for name, build in builds.items()
+              if any(run[0] == name for run in runs.values())}
     shard_size = args.heldout  # the held-out scenes fill exactly the last shard
     if args.train % shard_size:
         raise SystemExit(f"--train ({args.train}) must be a multiple of --heldout ({shard_size})")
@@ -328,18 +352,19 @@ def run_all(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"arms": {}, "recipe": {}, "corruption": {},
                               "builds": {k: {**v, "path": str(v["path"])}
                                          for k, v in built.items()}}
-    measured: dict[str, dict[str, Any]] = {}  # one run per (build, recipe, schedule, seed)
+    jobs = {(name, recipe, schedule, seed) for name, recipe, schedule in runs.values()
+            for seed in range(args.seeds)}
+    with ThreadPoolExecutor(args.parallel) as pool:  # each run is its own process
+        trained = dict(zip(sorted(jobs), pool.map(
+            lambda job: train_run(work, built[job[0]]["path"], "-".join(job[:3]), job[1],
+                                  job[2], job[3], args), sorted(jobs)), strict=True))
+    measured = {job: measure(run, args) for job, run in trained.items()}
     for key, (name, recipe, schedule) in runs.items():
-        per_seed = []
-        for seed in range(args.seeds):
-            run = train_run(work, built[name]["path"], f"{name}-{recipe}-{schedule}", recipe,
-                            schedule, seed, args)
-            if run["run"] not in measured:
-                measured[run["run"]] = measure(run, args)
-            per_seed.append(measured[run["run"]])
-            log(f"{key} seed {seed}: adherence {per_seed[-1]['adherence']:.3f}, caption "
-                f"accuracy {per_seed[-1]['caption_accuracy']:.3f}, L_T|I "
-                f"{per_seed[-1]['L_T|I']:.3f}, L_T {per_seed[-1]['L_T']:.3f}")
+        per_seed = [measured[(name, recipe, schedule, seed)] for seed in range(args.seeds)]
+        for seed, m in enumerate(per_seed):
+            log(f"{key} seed {seed}: adherence {m['adherence']:.3f} (guidance "
+                f"{m['cfg_scale']}), caption accuracy {m['caption_accuracy']:.3f}, L_T|I "
+                f"{m['L_T|I']:.3f}, L_T {m['L_T']:.3f}")
         group, arm = key.split("/")
         result[group][arm] = {**summarise(per_seed), "build": name, "recipe": recipe,
                               "schedule": schedule,
