@@ -284,6 +284,12 @@ def plan(quick: bool) -> tuple[dict, dict]:
     return builds, runs
 
 
+def without(builds: dict, runs: dict, skip: set[str]) -> tuple[dict, dict]:
+    """The plan less the skipped arms and the builds only they used."""
+    runs = {key: run for key, run in runs.items() if key not in skip}
+    return {name: b for name, b in builds.items() if any(r[0] == name for r in runs.values())}, runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one seed, caption and "
@@ -333,10 +339,7 @@ def run_all(work: Path, args: argparse.Namespace) -> dict[str, Any]:
 
     train, held = write_site(work, args.train, args.heldout)
     text = train_text_tokenizer(work, train)
-    builds, runs = plan(args.quick)
-    runs = {key: run for key, run in runs.items() if key not in args.skip}
-    builds = {name: build for name, build in builds.items()
-              if any(run[0] == name for run in runs.values())}
+    builds, runs = without(*plan(args.quick), args.skip)
     shard_size = args.heldout  # the held-out scenes fill exactly the last shard
     if args.train % shard_size:
         raise SystemExit(f"--train ({args.train}) must be a multiple of --heldout ({shard_size})")

@@ -51,3 +51,11 @@ def test_quick_plan_shares_one_build_per_caption_source(ablation):
     full_builds, full_runs = ablation.plan(quick=False)
     assert {"share0.25", "share0.75", "recaption-p0.1"} <= set(full_builds)
     assert "recipe/staged" in full_runs
+
+
+def test_skipped_arms_take_their_builds_with_them(ablation):
+    builds, runs = ablation.without(*ablation.plan(quick=False),
+                                    {"recipe/replacement-p0.1", "recipe/baseline-p0.1"})
+    assert "recaption-p0.1" not in builds and "recipe/replacement-p0.1" not in runs
+    assert {"noisy", "recaption", "oracle", "share0.25", "share0.75"} == set(builds)
+    assert len(runs) == 8  # 3 caption arms, 2 recipe at p_drop 0.3, staged, 2 corruption
