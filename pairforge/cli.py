@@ -228,7 +228,7 @@ def eval_run(
     cfg_scale = cfg_scale or [1.0, 1.5, 3.0]
     from pairforge.scenes.evaluate import evaluate_run, table, write_json
 
-    result = evaluate_run(run, prompts, captions, cfg_scale, seed=seed, sheet=sheet)
+    result = _run_guarded(evaluate_run, run, prompts, captions, cfg_scale, 1.0, 0, seed, sheet)
     typer.echo(table(result))
     write_json(result, output)
     typer.echo(f"→ {output}")

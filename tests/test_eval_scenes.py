@@ -85,3 +85,11 @@ def test_eval_chooses_the_guidance_scale_on_validation_prompts(tmp_path, monkeyp
     # a random-weight model draws nothing right at any scale: the tie goes to 1.5
     assert drawn["validation_by_scale"] == {"1.5": 0.0, "3.0": 0.0}
     assert drawn["cfg_scale"] == 1.5 and "guidance scale 1.5 (chosen on" in result.output
+
+
+def test_eval_and_sample_name_a_folder_that_is_not_a_run(tmp_path):
+    for verb in (["eval"], ["sample"]):
+        result = CliRunner().invoke(app, [*verb, str(tmp_path)])
+        assert result.exit_code == 2, result.output
+        assert f"{tmp_path / CHECKPOINT} does not exist" in " ".join(result.output.split())
+        assert "Traceback" not in result.output

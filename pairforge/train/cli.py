@@ -58,9 +58,14 @@ def sample(
 ) -> None:
     """Draw images from captions (CFG) and caption held-out images (greedy): a PNG sheet
     plus a JSON of the captions next to it."""
+    from pairforge.config import ConfigError
     from pairforge.train.sample import sample_run
 
-    result = sample_run(run, output, prompts=prompt or None, n=n, cfg_scale=cfg_scale,
-                        temperature=temperature, top_k=top_k, seed=seed)
+    try:
+        result = sample_run(run, output, prompts=prompt or None, n=n, cfg_scale=cfg_scale,
+                            temperature=temperature, top_k=top_k, seed=seed)
+    except ConfigError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"{len(result['images'])} images, {len(result['captions'])} captions → "
                f"{output}, {result['json']}")

@@ -32,8 +32,13 @@ LINE_HEIGHT = 12
 def load_model(run: str | Path) -> tuple[Transformer, VocabLayout, TrainConfig]:
     """The model of a training run folder (or a checkpoint file), in eval mode on CPU."""
     path = Path(run)
-    data = torch.load(path / CHECKPOINT if path.is_dir() else path, map_location="cpu",
-                      weights_only=False)
+    checkpoint = path / CHECKPOINT if path.is_dir() else path
+    if not checkpoint.is_file():
+        from pairforge.config import ConfigError
+
+        raise ConfigError(f"{checkpoint} does not exist: give a training run folder (where "
+                          f"pairforge train wrote {CHECKPOINT}) or the checkpoint file")
+    data = torch.load(checkpoint, map_location="cpu", weights_only=False)
     cfg = TrainConfig.model_validate(data["config"])
     layout = VocabLayout.from_manifest(data["layout"])
     model = Transformer(cfg.model, layout.total_size)
