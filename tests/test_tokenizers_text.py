@@ -91,3 +91,11 @@ def test_cli_train_text(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "tokens per caption" in result.output
     assert load_text_tokenizer({"backend": "hf", "path_or_id": str(out)}).vocab_size <= 400
+
+
+@pytest.mark.parametrize("verb", ["train-text", "train-vq"])
+def test_cli_names_a_missing_source(tmp_path: Path, verb: str) -> None:
+    missing = tmp_path / "nowhere.csv"
+    result = CliRunner().invoke(app, [verb, str(missing), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+    assert not (tmp_path / "o").exists()

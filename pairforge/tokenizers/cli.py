@@ -12,7 +12,8 @@ app = typer.Typer(help="Train and inspect tokenizers.", no_args_is_help=True)
 
 @app.command("train-vq")
 def train_vq_command(
-    sources: list[Path] = typer.Argument(..., help="image folders and/or raw-shard .tar files"),
+    sources: list[Path] = typer.Argument(..., exists=True,
+                                         help="image folders and/or raw-shard .tar files"),
     out: Path = typer.Option(..., "--out", "-o", help="checkpoint folder to write"),
     resolution: int = typer.Option(64, help="square input side in pixels"),
     codebook_size: int = typer.Option(512, help="K, number of image codes"),
@@ -41,7 +42,8 @@ def train_vq_command(
 @app.command("train-text")
 def train_text_command(
     sources: list[Path] = typer.Argument(
-        ..., help="csv/tsv/jsonl/parquet (caption column), txt (one per line) or .tar shards"),
+        ..., exists=True,
+        help="csv/tsv/jsonl/parquet (caption column), txt (one per line) or .tar shards"),
     out: Path = typer.Option(..., "--out", "-o", help="tokenizer folder to write"),
     vocab_size: int = typer.Option(8192, help="BPE vocabulary size (256 bytes included)"),
     column: str = typer.Option("caption", help="caption column of tables"),
