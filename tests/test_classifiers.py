@@ -158,6 +158,17 @@ def test_config_names_what_a_classifier_lacks(tmp_path, models, entry, message):
         parse_config(_cfg(tmp_path, models, [entry]))
 
 
+def test_the_config_offers_exactly_the_classifier_statuses():
+    from typing import get_args
+
+    from pairforge.config import ClassifierConfig
+    from pairforge.records import CLASSIFIER_STATUSES, STATUS_HELP
+
+    offered = set(get_args(get_args(ClassifierConfig.model_fields["status"].annotation)[0]))
+    assert offered == {s.value for s in CLASSIFIER_STATUSES}
+    assert all(STATUS_HELP[s] for s in CLASSIFIER_STATUSES)
+
+
 def test_config_refuses_twin_names_and_a_head_without_clip(tmp_path, models):
     head = {"name": "a", "backend": "clip-head", "path": "h.pth"}
     with pytest.raises(ConfigError, match="a repeated"):
@@ -431,6 +442,9 @@ def test_manifest_inspect_report_and_show_cover_the_classifiers(built, tmp_path)
     page = render_report(str(out))
     # funnel, CLIP, one histogram per classifier score (no tokens here)
     assert page.count("data:image/png;base64,") == 4
+    from pairforge.shards.verify import verify_dataset
+
+    assert verify_dataset(str(out)) == []
     sheet = tmp_path / "unsafe.png"
     assert show(str(out), str(sheet), status="unsafe", n=16) == min(unsafe, 16)
     assert sheet.stat().st_size > 0
