@@ -327,7 +327,8 @@ def main() -> None:
     started = time.perf_counter()
     result = run_all(work, args)
     result["seconds"] = round(time.perf_counter() - started, 1)
-    result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result["settings"] = {k: str(v) if isinstance(v, Path) else sorted(v) if isinstance(v, set)
+                          else v for k, v in vars(args).items()}
     log(f"done in {result['seconds']:.0f} s; work folder {work}")
     print(table(result))
     if args.json:
