@@ -1,10 +1,14 @@
-"""Regenerate the bundled sample from the scene world (pairforge/scenes): drawn scenes whose
-captions say exactly what is drawn.
+"""Regenerate the bundled sample from the scene world (pairforge/scenes): drawn scenes with
+web-like alt-text, the kind of input recaptioning exists for.
 
 The images are made here (no third-party photos), so the project may redistribute them.
-``python -m pairforge.sample.generate`` rebuilds ``images/`` and ``captions.csv``: training
-scenes first, then held-out scenes (captions no training split holds) filling the last
-shard of examples/demo.yaml, which examples/train_demo.yaml holds out.
+``python -m pairforge.sample.generate`` rebuilds ``images/`` and ``captions.csv``: 9,000
+training scenes whose alt-text is the world's corruption model at its default (half the
+captions wrong: another attribute, another scene's caption, or web junk), then 1,000
+held-out scenes (captions no training split holds, stated exactly) filling the last shard
+of examples/demo.yaml, which examples/train_demo.yaml holds out. 9,000 scenes, not a few
+hundred: on fewer the demo model memorises its pictures instead of composing prompts
+(bench/RESULTS.md, the scene-world section).
 """
 
 from __future__ import annotations
@@ -12,23 +16,32 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from pairforge.scenes.world import render, scenes
+from pairforge.scenes.corrupt import corrupt
+from pairforge.scenes.world import render, scenes, sentence
 
 HERE = Path(__file__).parent
 SIDE = 32  # the resolution of the bundled VQ (vq32) and captioner
 
 
-def main(n_train: int = 960, n_heldout: int = 64) -> None:
+def alt_texts(n_train: int, n_heldout: int, share: float = 0.5) -> list[str]:
+    """The sample's captions: corrupted web alt-text for training scenes, as sentences
+    (junk stays junk), then the exact captions of the held-out scenes."""
+    noisy = corrupt(scenes(n_train, "train"), share=share, junk=min(0.02, share), seed=0)
+    train = [text if kind == "junk" else sentence(text) for text, kind in noisy]
+    return train + [s.sentence for s in scenes(n_heldout, "heldout")]
+
+
+def main(n_train: int = 9000, n_heldout: int = 1000) -> None:
     out = HERE / "images"
     out.mkdir(exist_ok=True)
     for old in out.glob("scene_*"):
         old.unlink()
-    rows = []
     drawn = scenes(n_train, "train") + scenes(n_heldout, "heldout")
-    for i, s in enumerate(drawn):
-        name = f"scene_{i:04d}.png"
+    rows = []
+    for i, (s, text) in enumerate(zip(drawn, alt_texts(n_train, n_heldout), strict=True)):
+        name = f"scene_{i:05d}.png"
         render(s, SIDE).save(out / name, optimize=True)
-        rows.append((name, s.sentence))  # the form cleaned recaptions take
+        rows.append((name, text))
     with open(HERE / "captions.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["filename", "caption"])
