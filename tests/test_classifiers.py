@@ -16,15 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 from conftest import COCO_CAPTIONS, download_raw
+from golden import tiny_clip
 
 from pairforge.config import ConfigError, parse_config
 
-# the same tiny open_clip as tests/test_process_stage.py, under its own name
-TINY_CLIP = {"embed_dim": 32,
-             "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8,
-                            "head_width": 32},
-             "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2,
-                          "layers": 2}}
 N_IMAGES = 24
 
 
@@ -69,24 +64,17 @@ def _aesthetic_mlp(input_size: int):  # noqa: ANN202 - a torch module
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
-    import open_clip
     import torch
 
     folder = tmp_path_factory.mktemp("classifier_models")
-    config = folder / "pf-cls-clip.json"
-    config.write_text(json.dumps(TINY_CLIP))
-    open_clip.add_model_config(config)
-    torch.manual_seed(0)
-    clip_model, _, _ = open_clip.create_model_and_transforms("pf-cls-clip")
-    torch.save(clip_model.state_dict(), folder / "clip.pt")
+    clip = tiny_clip(folder / "clip")  # the golden build's tiny open_clip (embed_dim 32)
     aesthetic = _aesthetic_mlp(32)
     torch.save(aesthetic.state_dict(), folder / "aesthetic.pth")
     torch.manual_seed(4)
     linear = torch.nn.Linear(32, 1)
     torch.save(linear.state_dict(), folder / "linear.pth")
     torch.save(torch.nn.Linear(48, 1).state_dict(), folder / "linear48.pth")
-    return {"clip": {"model": "pf-cls-clip", "pretrained": str(folder / "clip.pt"),
-                     "model_config_path": str(config)},
+    return {"clip": clip,
             "nsfw": _save_vit(folder / "nsfw", ["normal", "nsfw"], seed=1),
             "watermark": _save_vit(folder / "watermark", ["clean", "watermark", "text"], seed=2),
             "aesthetic": str(folder / "aesthetic.pth"), "aesthetic_module": aesthetic,
@@ -191,7 +179,7 @@ def test_preflight_names_the_labels_and_the_embedding_size(tmp_path, models):
     assert "process.classifiers[0] (nsfw).label" in text
     assert "has no label 'porn'; its labels are 'normal', 'nsfw'" in text
     assert ("process.classifiers[1] (wide).path: the head takes 48-dim embeddings but "
-            "process.clip.model pf-cls-clip makes 32-dim ones") in text
+            "process.clip.model pf-golden-clip makes 32-dim ones") in text
     assert f"process.classifiers[2] (gone).path: {tmp_path / 'no.pth'} is not a file" in text
     assert "(ok)" not in text
 
@@ -252,7 +240,7 @@ def _bare_heads(models: dict, images: list[bytes]) -> dict[str, np.ndarray]:
 
     open_clip.add_model_config(models["clip"]["model_config_path"])
     model, _, preprocess = open_clip.create_model_and_transforms(
-        "pf-cls-clip", pretrained=models["clip"]["pretrained"])
+        models["clip"]["model"], pretrained=models["clip"]["pretrained"])
     model.eval()
     with torch.no_grad():
         emb = model.encode_image(torch.stack([preprocess(decode_rgb(b)) for b in images]))
