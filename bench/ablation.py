@@ -71,13 +71,10 @@ def write_site(work: Path, n_train: int, n_held: int) -> tuple[list, list]:
 def write_input(work: Path, base_url: str, train: list, held: list, share: float) -> Path:
     """url,caption rows: training scenes with alt-text at ``share`` corruption, then the
     held-out scenes (exact captions; they fill the last shard, held out by the trainer)."""
-    from pairforge.scenes.corrupt import corrupt
-    from pairforge.scenes.world import sentence
+    from pairforge.scenes.corrupt import alt_texts
 
     path = work / f"input_share{share}.csv"
-    noisy = corrupt(train, share=share, junk=min(0.02, share), seed=0)
-    # captions as sentences, the form recaptions take after cleaning: one text form in all arms
-    texts = [text if kind == "junk" else sentence(text) for text, kind in noisy]
+    texts = alt_texts(train, share)
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
         out.writerow(["url", "caption"])

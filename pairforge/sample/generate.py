@@ -16,19 +16,11 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from pairforge.scenes.corrupt import corrupt
-from pairforge.scenes.world import render, scenes, sentence
+from pairforge.scenes.corrupt import alt_texts
+from pairforge.scenes.world import render, scenes
 
 HERE = Path(__file__).parent
 SIDE = 32  # the resolution of the bundled VQ (vq32) and captioner
-
-
-def alt_texts(n_train: int, n_heldout: int, share: float = 0.5) -> list[str]:
-    """The sample's captions: corrupted web alt-text for training scenes, as sentences
-    (junk stays junk), then the exact captions of the held-out scenes."""
-    noisy = corrupt(scenes(n_train, "train"), share=share, junk=min(0.02, share), seed=0)
-    train = [text if kind == "junk" else sentence(text) for text, kind in noisy]
-    return train + [s.sentence for s in scenes(n_heldout, "heldout")]
 
 
 def main(n_train: int = 9000, n_heldout: int = 1000) -> None:
@@ -36,9 +28,10 @@ def main(n_train: int = 9000, n_heldout: int = 1000) -> None:
     out.mkdir(exist_ok=True)
     for old in out.glob("scene_*"):
         old.unlink()
-    drawn = scenes(n_train, "train") + scenes(n_heldout, "heldout")
+    train, held = scenes(n_train, "train"), scenes(n_heldout, "heldout")
+    texts = alt_texts(train) + [s.sentence for s in held]
     rows = []
-    for i, (s, text) in enumerate(zip(drawn, alt_texts(n_train, n_heldout), strict=True)):
+    for i, (s, text) in enumerate(zip(train + held, texts, strict=True)):
         name = f"scene_{i:05d}.png"
         render(s, SIDE).save(out / name, optimize=True)
         rows.append((name, text))

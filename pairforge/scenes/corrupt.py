@@ -76,6 +76,16 @@ def corrupt(scenes: Sequence[Scene], share: float = 0.5, junk: float = 0.02,
     return out
 
 
+def alt_texts(scenes: Sequence[Scene], share: float = 0.5, seed: int = 0) -> list[str]:
+    """Web alt-text as served: :func:`corrupt` at ``share`` (junk 2 %, or ``share`` if less),
+    written as sentences ("A large red circle ... background.") like cleaned recaptions and
+    the evaluation prompts, so every caption source shares one text form; junk stays junk."""
+    from pairforge.scenes.world import sentence
+
+    noisy = corrupt(scenes, share=share, junk=min(0.02, share), seed=seed)
+    return [text if kind == "junk" else sentence(text) for text, kind in noisy]
+
+
 def _text(s: Scene, kind: str, scenes: Sequence[Scene], i: int, rng: random.Random) -> str:
     if kind == "exact":
         return s.caption
