@@ -223,12 +223,12 @@ def fmt(arm: dict[str, Any], key: str) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    head = ("| arm | adherence (all) | colour+shape | guidance | L_I\\|T | L_I\\|∅ | L_T\\|I | "
-            "L_T | caption accuracy | training captions exact |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| arm | seeds | adherence (all) | colour+shape | guidance | L_I\\|T | L_I\\|∅ | "
+            "L_T\\|I | L_T | caption accuracy | training captions exact |")
+    lines = [head, "|" + "---|" * 11]
     for group in ("arms", "recipe"):
         for name, arm in result[group].items():
-            lines.append(f"| {group}/{name} | {fmt(arm, 'adherence')} | "
+            lines.append(f"| {group}/{name} | {arm['seeds']} | {fmt(arm, 'adherence')} | "
                          f"{fmt(arm, 'adherence_colour_shape')} | {arm['cfg_scale']:.2f} | "
                          + " | ".join(fmt(arm, k) for k in LOSSES)
                          + f" | {fmt(arm, 'caption_accuracy')} | "
@@ -308,6 +308,8 @@ def main() -> None:
                              "on separate validation prompts")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per training run")
+    parser.add_argument("--one-seed", default="", help="arms run at one seed only, "
+                        "comma-separated, to fit a time budget (the table says each arm's seeds)")
     parser.add_argument("--skip", default="", help="arms not to run, comma-separated "
                         "(e.g. recipe/baseline-p0.1); the plot needs arms/ and corruption/")
     parser.add_argument("--parallel", type=int, default=2,
@@ -317,6 +319,7 @@ def main() -> None:
     args.steps = args.steps or (1500 if args.quick else 3000)
     args.cfg_scales = [float(x) for x in args.cfg_scales.split(",")]
     args.skip = {arm for arm in args.skip.split(",") if arm}
+    args.one_seed = {arm for arm in args.one_seed.split(",") if arm}
     work = args.work or Path(tempfile.mkdtemp(prefix="pairforge-ablation-"))
     import torch
 
@@ -353,15 +356,16 @@ def run_all(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"arms": {}, "recipe": {}, "corruption": {},
                               "builds": {k: {**v, "path": str(v["path"])}
                                          for k, v in built.items()}}
-    jobs = {(name, recipe, schedule, seed) for name, recipe, schedule in runs.values()
-            for seed in range(args.seeds)}
+    seeds = {key: 1 if key in args.one_seed else args.seeds for key in runs}
+    jobs = {(name, recipe, schedule, seed) for key, (name, recipe, schedule) in runs.items()
+            for seed in range(seeds[key])}
     with ThreadPoolExecutor(args.parallel) as pool:  # each run is its own process
         trained = dict(zip(sorted(jobs), pool.map(
             lambda job: train_run(work, built[job[0]]["path"], "-".join(job[:3]), job[1],
                                   job[2], job[3], args), sorted(jobs)), strict=True))
     measured = {job: measure(run, args) for job, run in trained.items()}
     for key, (name, recipe, schedule) in runs.items():
-        per_seed = [measured[(name, recipe, schedule, seed)] for seed in range(args.seeds)]
+        per_seed = [measured[(name, recipe, schedule, seed)] for seed in range(seeds[key])]
         for seed, m in enumerate(per_seed):
             log(f"{key} seed {seed}: adherence {m['adherence']:.3f} (guidance "
                 f"{m['cfg_scale']}), caption accuracy {m['caption_accuracy']:.3f}, L_T|I "
