@@ -8,6 +8,7 @@ true positive when it is in the row's gold set. Run with ``-s`` to see them prin
 
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 from pathlib import Path
@@ -60,8 +61,10 @@ PEOPLE: list[Row] = [
     ("an old, smiling woman", "a smiling person", {"age:old", "gender:woman"}, True),
     ("a tall, young man", "a tall person", {"age:young", "gender:man"}, True),
     ("a young and happy girl", "a happy person", {"age:young", "gender:girl", "age:girl"}, True),
-    ("a young tennis player swinging a racket", "a tennis player swinging a racket",
-     {"age:young"}, True),
+    # a sport's player is a role read from a uniform; the activity is what is seen
+    ("a young tennis player swinging a racket",
+     "a person playing tennis swinging a racket", {"age:young", "occupation:tennis player"},
+     True),
     # white hair is visible
     ("a white haired man reading a newspaper", "a white haired person reading a newspaper",
      {"gender:man"}, True),
@@ -119,13 +122,15 @@ PEOPLE: list[Row] = [
      {"gender:cowboy", "occupation:cowboy"}, True),
     ("an african american man playing guitar", "a person playing guitar",
      {"race_ethnicity:african-american", "gender:man"}, True),
-    ("a woman nurses her baby", "a person nurses their person",
-     {"gender:woman", "gender:her", "age:baby"}, False),
-    # a relation ("her daughter") cannot be said neutrally: not fluent, so regenerate
-    ("a woman and her daughter", "a person and their person",
-     {"gender:woman", "gender:her", "gender:daughter"}, False),
-    ("a man holding his baby", "a person holding their person",
-     {"gender:man", "gender:his", "age:baby"}, False),
+    # a relation ("her daughter") is not visible: the owned person stays, unowned; a baby
+    # is seen as a baby (attr_heads.txt)
+    ("a woman nurses her baby", "a person nurses a baby", {"gender:woman", "gender:her"},
+     True),
+    ("a woman and her daughter", "two people",
+     {"gender:woman", "gender:her", "gender:daughter"}, True),
+    ("a man holding his baby", "a person holding a baby", {"gender:man", "gender:his"}, True),
+    # a possessive noun's relation still cannot be said neutrally: regenerate
+    ("the woman's son", "the person's person", {"gender:woman", "gender:son"}, False),
 ]
 
 NOT_PEOPLE: list[Row] = [
@@ -175,15 +180,46 @@ KNOWN_MISSES: list[Row] = [
     ("the woman is young", "the person is young", {"gender:woman", "age:young"}, True),
 ]
 
-TABLE = PEOPLE + NOT_PEOPLE + KNOWN_MISSES
+
+def _wider_set() -> tuple[list[Row], set[tuple[str, str]]]:
+    """tests/data/attribute_captions.tsv: the wider rule's hand-written set (issue 20)."""
+    rows, missed = [], set()
+    path = Path(__file__).parent / "data" / "attribute_captions.tsv"
+    lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
+    for record in csv.DictReader(lines, delimiter="\t"):
+        terms = {t for t in record["gold"].split("; ") if t}
+        rows.append((record["caption"], record["expected"], terms, record["fluent"] == "yes"))
+        missed |= {(record["caption"], t) for t in record["known_misses"].split("; ") if t}
+    return rows, missed
+
+
+WIDER, WIDER_MISSED = _wider_set()
+TABLE = PEOPLE + NOT_PEOPLE + KNOWN_MISSES + WIDER
 MISSED = {("a boy scout saluting the flag", "gender:boy"),
           ("a boy scout saluting the flag", "age:boy"),
           ("the elderly at a bus stop", "age:elderly"),
-          ("the woman is young", "age:young")}
+          ("the woman is young", "age:young")} | WIDER_MISSED
 
 
 def test_table_shape() -> None:
     assert len(TABLE) >= 60
+    assert len(WIDER) >= 200
+    assert len({row[0] for row in TABLE}) == len(TABLE)  # no caption counted twice
+
+
+WIDER_CATEGORIES = ("sexual_orientation", "body", "attractiveness", "socioeconomic", "health")
+
+
+@pytest.mark.parametrize("category", WIDER_CATEGORIES)
+def test_wider_categories_are_measured(category: str) -> None:
+    """Each new category is a lexicon category with at least five gold terms in the set,
+    all but the documented misses removed, and captions where its words are things."""
+    assert category in load_lexicon().categories
+    gold = [(cap, term) for cap, _, terms, _ in WIDER for term in terms
+            if term.startswith(category + ":")]
+    assert len(gold) >= 5
+    caught = [(cap, term) for cap, term in gold if term in neutralize(cap).removed]
+    assert set(caught) == set(gold) - WIDER_MISSED
     assert sum(bool(gold) for _, _, gold, _ in TABLE) >= len(TABLE) // 2
     assert len(NOT_PEOPLE) >= 15
 
@@ -239,7 +275,9 @@ def test_user_files_extend_and_trim_the_lexicon(tmp_path: Path) -> None:
 
 def test_not_fluent_when_nothing_readable_is_left() -> None:
     assert neutralize("").fluent is False
-    assert neutralize("a man and his son").fluent is False
+    assert neutralize("a man's son").fluent is False
+    assert neutralize("a man and his son") == NeutralizeResult(
+        "two people", ["gender:man", "gender:his", "gender:son"], True)
     assert neutralize("A man.").fluent is True
 
 
@@ -251,7 +289,8 @@ def test_case_and_final_punctuation_kept() -> None:
 
 def test_strict_prompt_names_every_category() -> None:
     for word in ("person", "gender", "age", "ethnicity", "nationality", "religion",
-                 "disability", "occupation"):
+                 "disability", "occupation", "sexual orientation", "body size",
+                 "attractiveness", "wealth", "housing", "pregnancy", "health"):
         assert word in STRICT_PROMPT_SUFFIX
 
 

@@ -2,8 +2,9 @@
 
 DESIGN.md section 9: a prompt alone is not a guarantee, so every recaption goes through
 :func:`neutralize`, which removes attributes applied to people -- gender, age, race or
-ethnicity, nationality, religion, disability, occupation -- and rewrites the phrase
-neutrally ("a young woman in a red jacket" -> "a person in a red jacket"). The caller puts
+ethnicity, nationality, religion, disability, occupation, sexual orientation, body size,
+attractiveness, socioeconomic and housing status, pregnancy and health -- and rewrites the
+phrase neutrally ("a young woman in a red jacket" -> "a person in a red jacket"). The caller puts
 ``removed`` into ``recaption_flags`` and, when ``fluent`` is False, regenerates once with
 :data:`STRICT_PROMPT_SUFFIX` added to the prompt.
 
@@ -13,14 +14,22 @@ Rules
   police officer, frenchman, mother) become "person"/"people", keeping number and the
   possessive ("a woman's handbag" -> "a person's handbag", "the boys" -> "the people").
 * Children too: a child's apparent age is an inference like any other, so child, kid,
-  baby, toddler and teenager become "person"/"people" (a user file can drop a word).
+  toddler and teenager become "person"/"people" (a user file can drop a word). A baby is
+  seen, not guessed: baby, infant and newborn are neutral nouns ("a young baby" -> "a
+  baby", "a baby girl" -> "a baby": an attribute noun right after a neutral one goes).
+* Relations are not visible: a possessive pronoun before a person noun becomes an article
+  and the person stays ("a mother holding her baby" -> "a person holding a baby", "a man
+  and his son" -> "two people", "her two sons" -> "two people").
 * Attribute adjectives (young, asian, black, chinese, muslim, blind...) are removed only
   when they modify a person noun, possibly across other adjectives ("a young smiling
   woman"). So "a white car", "black and white photo", "french fries", "a chinese lantern",
   "an indian restaurant sign", "the Old Town square" and "a blind spot" stay. Colour words
   (white, black, brown) followed by haired/skinned/clad... describe hair or clothes and stay.
 * Occupation: the job title becomes "person"; what is worn stays, because it is visible
-  ("a man in a police uniform" -> "a person in a police uniform").
+  ("a man in a police uniform" -> "a person in a police uniform"). A sport's player is a
+  role read from a uniform: "a baseball player" -> "a person playing baseball".
+* Words that are things stay things: adjectives only go before a person noun ("a gay-pride
+  flag", "a gay bar", "a fat cat", "a beautiful sunset", "a homeless shelter").
 * Disability lines may name the visible fact to keep ("a wheelchair-bound man" -> "a
   person using a wheelchair"); "a person in a wheelchair" is left as it is.
 * Exceptions (attr_exceptions.txt) are never touched: "boy scout" is an organisation
@@ -42,7 +51,8 @@ Rules
 * A caption with nothing removed comes back unchanged, character for character.
 
 ``fluent`` is False when the rewrite left an empty caption, a doubled word, a dangling
-article, "a people", or a relation that lost its meaning ("her son" -> "their person").
+article, "a people", or a relation that lost its meaning ("the woman's son" -> "the
+person's person").
 
 Data files
 ----------
@@ -81,8 +91,9 @@ from pairforge.recaption.words import plural
 STRICT_PROMPT_SUFFIX = (
     "Describe only what is visible. Refer to every human only as 'person' or 'people' and "
     "never state or guess anyone's gender, age, race or ethnicity, nationality, religion, "
-    "disability or occupation; describe their clothing, posture and actions instead, and do "
-    "not use he, she, him, his or her."
+    "disability, occupation, sexual orientation, body size, attractiveness, wealth or "
+    "housing, pregnancy or health; describe their clothing, posture and actions instead, and "
+    "do not use he, she, him, his or her, or say whose child or partner anyone is."
 )
 
 PREFIX = "attr_"
@@ -111,6 +122,7 @@ _AFTER_OBJECT = {"a", "an", "the", "and", "or", "but", "to", "in", "on", "at", "
                  "out", "over", "under", "near", "behind", "this", "that", "some", "two",
                  "her", "his", "their", "back", "again", "too", "so", "is", "are", "was"}
 _SUBJECT = {"he": "they", "she": "they"}
+_RELATION_OWNERS = {"his", "her", "their"}
 # never a verb after "they", never the one compound word before a person noun
 _FUNCTION_WORDS = (_AFTER_OBJECT | _ARTICLES | set(_NUMBERS) | _VAGUE | _POSSESSIVES
                    | {"he", "she", "it", "they", "we", "i", "you", "him", "them", "who",
@@ -391,7 +403,7 @@ def _find_spans(cap: _Caption) -> list[_Span]:
             pos += length
             continue
         spans.append(_Span(pos, pos + length, None if neutral else term, term.plural,
-                           possessive))
+                           possessive, "" if neutral else term.after))
         pos += length
     return spans
 
@@ -505,13 +517,44 @@ def _rewrite_nouns(cap: _Caption, spans: list[_Span]) -> None:
             cap.delete(pos)
         modifier = (following is not None and following.start == span.end
                     and not span.possessive and cap.gap(following.start) == "space")
-        if modifier:  # "a woman doctor", "a baby boy": the next noun is the person
+        if modifier or _after_neutral(cap, spans[n - 1] if n else None, span):
+            # "a woman doctor": the next noun is the person; "a baby girl": the baby is
             cap.delete(span.start)
             continue
         tok = cap.tok(span.start)
         tok.text = _cased(_person_word(cap, span, tok.text), tok.text)
         tok.touched = tok.person = True
         tok.plural = span.plural
+
+
+def _after_neutral(cap: _Caption, before: _Span | None, span: _Span) -> bool:
+    """An attribute noun right after a neutral one ("a baby girl") only qualifies it."""
+    return (before is not None and before.term is None and before.end == span.start
+            and not before.possessive and cap.gap(span.start) == "space")
+
+
+def _drop_relations(cap: _Caption, spans: list[_Span]) -> None:
+    """"her baby" -> "a baby", "his son" -> "a person": a possessive pronoun before a
+    person noun states a relation nobody can see; the person it owns stays, unowned."""
+    live = _live(cap)
+    starts = {cap.words[span.start]: span for span in spans}
+    for n, i in enumerate(live[:-1]):
+        tok = cap.toks[i]
+        # "her two sons": a number may stand between the owner and the person
+        counted = cap.toks[live[n + 1]].low in _NUMBERS and n + 2 < len(live)
+        nxt = live[n + 2] if counted else live[n + 1]
+        if tok.low not in _RELATION_OWNERS or tok.protected or nxt not in starts:
+            continue
+        if any(t.kind == "p" for t in cap.toks[i + 1:nxt]):
+            continue
+        span = starts[nxt]
+        if tok.low != "their":
+            cap.removed.append((cap.words.index(i), f"gender:{tok.low}"))
+        if span.plural or counted:  # "her children" -> "people", "her two sons" -> "two"
+            tok.deleted = True
+            continue
+        tok.text = _cased(_article(cap.toks[nxt].text), tok.text)
+        tok.protected = True  # the pronoun rewrite must not see "a" as "her"
 
 
 def _person_word(cap: _Caption, span: _Span, old: str) -> str:
@@ -746,6 +789,7 @@ def neutralize(caption: str, lexicon: AttributeLexicon | None = None) -> Neutral
     spans = _find_spans(cap)
     _drop_adjectives(cap, spans)
     _rewrite_nouns(cap, spans)
+    _drop_relations(cap, spans)
     if spans or not any(cap.low(p) in cap.lex.animals for p in range(len(cap.words))):
         _rewrite_pronouns(cap)  # with an animal and no person, he/she is the animal's
     _collapse(cap)
