@@ -2,29 +2,56 @@
 
 from __future__ import annotations
 
+import json
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 
+from pairforge import __version__
 from pairforge.config import ConfigError, PairforgeConfig, load_config
 from pairforge.pipeline.progress import console
 from pairforge.shards.inspect import status_table
+from pairforge.shards.tasks import I2T, IMG, T2I
 from pairforge.tokenizers.cli import app as tokenizers_app
 from pairforge.train.cli import sample as sample_command
 from pairforge.train.cli import train as train_command
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
+# Plain click help (rich_markup_mode=None): typer's rich panels print a type such as
+# "<bool>" beside every flag, --help included. -h is the short help everywhere (click passes
+# help_option_names down to every subcommand).
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False,
+                  rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Build image-text pretraining shards for unified autoregressive models.")
 app.add_typer(tokenizers_app, name="tokenizers")
 app.command("train")(train_command)
 app.command("sample")(sample_command)
 
-ConfigArg = Annotated[Path, typer.Argument(help="YAML config file", exists=False)]
+ConfigArg = Annotated[Path, typer.Argument(help="YAML config file", exists=False,
+                                           metavar="CONFIG")]
 SetOpt = Annotated[list[str] | None, typer.Option(
-    "--set", help="override a config key, e.g. --set download.threads=64 (repeatable)")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no live progress display")]
+    "--set", metavar="KEY=VALUE",
+    help="override a config key, e.g. --set download.threads=64 (repeatable)")]
+QuietOpt = Annotated[bool, typer.Option(
+    "--quiet", "-q", help="plain progress lines every few seconds instead of the live display "
+    "(also what a non-terminal gets)")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON on stdout instead of tables")]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"pairforge {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="print the version and exit")] = False) -> None:
+    """Build image-text pretraining shards for unified autoregressive models."""
 ForceOpt = Annotated[bool, typer.Option(
     "--force", help="redo complete shards made under other settings (without it such a "
     "rerun stops before any work and names what changed)")]
@@ -97,7 +124,7 @@ def _print_dedup(stats: dict[str, Any]) -> None:
 
 
 @app.command()
-def dedup(config: ConfigArg, set_: SetOpt = None,
+def dedup(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
           force: Annotated[bool, typer.Option(
               "--force", help="redo even when a finished dedup matches the inputs")] = False,
           ) -> None:
@@ -107,7 +134,7 @@ def dedup(config: ConfigArg, set_: SetOpt = None,
 
     cfg = _load(config, set_)
     _preflight(cfg, "dedup")
-    _print_dedup(_run_guarded(run_dedup_stage, cfg, force))
+    _print_dedup(_run_guarded(run_dedup_stage, cfg, force, not quiet))
 
 
 @app.command()
@@ -136,7 +163,7 @@ def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
     # before stage 1, not after it
     _run_guarded(check_settings, cfg, ("download", "process"), force)
     _print_stage("download", _run_guarded(run_download, cfg, not quiet, force))
-    _print_dedup(_run_guarded(run_dedup_stage, cfg))
+    _print_dedup(_run_guarded(run_dedup_stage, cfg, False, not quiet))
     _print_stage("process", _run_guarded(run_process, cfg, not quiet, force))
     out = cfg.output.path
     console.print(f"training shards: [b]{out}/shards/[/b], manifest: [b]{out}/manifest.json[/b]")
@@ -144,23 +171,35 @@ def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
                   f"   [b]pairforge verify[/b] {out}")
 
 
-PathArg = Annotated[str, typer.Argument(help="dataset folder (OUT) or fsspec URL")]
+PathArg = Annotated[str, typer.Argument(help="dataset folder (OUT) or fsspec URL",
+                                        metavar="OUT")]
+# --task's allowed values: click rejects others with exit 2 and lists these
+TaskChoice = Enum("TaskChoice", {t: t for t in (T2I, I2T, IMG)}, type=str)
+
+
+def _data_console() -> Console:
+    """stdout, for what a read-only verb answers (``pairforge inspect OUT > f`` keeps it);
+    messages stay on stderr. Made per call: tests swap sys.stdout."""
+    return Console(soft_wrap=False)
 
 
 @app.command()
-def inspect(path: PathArg) -> None:
+def inspect(path: PathArg, json_: JsonOpt = False) -> None:
     """The dataset at a glance: funnel, token budget per task, shards, models."""
-    from pairforge.shards.inspect import inspect_view
+    from pairforge.shards.inspect import inspect_data, inspect_view
     from pairforge.shards.report import open_dataset
 
     _run_guarded(open_dataset, path)  # not a dataset: say so, exit 2
-    console.print(inspect_view(path))
+    if json_:
+        typer.echo(json.dumps(inspect_data(path), indent=1))
+        return
+    _data_console().print(inspect_view(path))
 
 
 @app.command()
 def show(path: PathArg,
          output: Annotated[str, typer.Option("-o", "--output", help="PNG to write")] = "sheet.png",
-         task: Annotated[str | None, typer.Option(help="only t2i, i2t or img")] = None,
+         task: Annotated[TaskChoice | None, typer.Option(help="only this task")] = None,
          grep: Annotated[str | None, typer.Option(help="only captions with this word")] = None,
          n: Annotated[int, typer.Option("-n", help="samples on the sheet")] = 16,
          status: Annotated[str | None, typer.Option(
@@ -173,8 +212,8 @@ def show(path: PathArg,
     from pairforge.shards.show import show as make_sheet
 
     notes: list[str] = []
-    shown = _run_guarded(make_sheet, path, output, task, grep, n, None, notes, status,
-                         duplicates)
+    shown = _run_guarded(make_sheet, path, output, task and task.value, grep, n, None, notes,
+                         status, duplicates)
     for note in notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}", soft_wrap=True)
     if not shown:
@@ -195,19 +234,24 @@ def report(path: PathArg,
 
 
 @app.command()
-def verify(path: PathArg) -> None:
+def verify(path: PathArg, json_: JsonOpt = False) -> None:
     """Re-read every tar and check it against manifest.json; exit 1 on any problem."""
     from pairforge.shards.report import open_dataset
     from pairforge.shards.verify import verify_dataset
 
     _run_guarded(open_dataset, path)  # not a dataset is a user error (2), not a finding (1)
     problems = verify_dataset(path)
-    for problem in problems:
-        console.print(f"[red]✗[/red] {problem}")
+    if json_:
+        typer.echo(json.dumps({"path": path, "ok": not problems, "problems": problems},
+                              indent=1))
+    else:  # the findings are the answer: stdout, one a line
+        out = _data_console()
+        for problem in problems:
+            out.print(f"[red]✗[/red] {escape(problem)}", soft_wrap=True)
+        out.print(f"[red]{len(problems)} problem(s)[/red]" if problems
+                  else "[green]✓[/green] every shard matches manifest.json")
     if problems:
-        console.print(f"[red]{len(problems)} problem(s)[/red]")
         raise typer.Exit(1)
-    console.print("[green]✓[/green] every shard matches manifest.json")
 
 
 @app.command("eval")
@@ -218,7 +262,7 @@ def eval_run(
     prompts: Annotated[int, typer.Option(help="held-out prompts to draw")] = 200,
     captions: Annotated[int, typer.Option(help="held-out images to caption")] = 200,
     cfg_scale: Annotated[list[float] | None, typer.Option(
-        help="classifier-free guidance scale; give it more than once to choose the best on "
+        metavar="SCALE", help="classifier-free guidance scale; give it more than once to choose the best on "
              "separate validation prompts [default: 1.0, 1.5, 3.0]")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     sheet: Annotated[Path | None, typer.Option(help="PNG of the first drawings")] = None,

@@ -85,7 +85,8 @@ def run_download(cfg: PairforgeConfig, show_progress: bool = True,
             "rows_per_s": round(rows_todo / seconds, 1) if rows_todo else None}
 
 
-def run_dedup_stage(cfg: PairforgeConfig, force: bool = False) -> dict[str, Any]:
+def run_dedup_stage(cfg: PairforgeConfig, force: bool = False,
+                    show_progress: bool = True) -> dict[str, Any]:
     """Stage 2 over the complete raw shards (only their hash columns are read)."""
     from pairforge.pipeline.dedup_stage import run_dedup
 

@@ -108,3 +108,18 @@ def inspect_view(path: str, storage_options: dict | None = None) -> Group:
         parts.append(_budget_table(manifest))
     parts += [_shards_table(manifest), _models(manifest)]
     return Group(*parts)
+
+
+def inspect_data(path: str, storage_options: dict | None = None) -> dict[str, Any]:
+    """What ``inspect`` shows, as plain data for ``inspect --json``: the manifest's summary
+    parts (the full config, vocabulary ids and per-shard budgets stay in manifest.json)."""
+    manifest = OutputDir(path, storage_options).read_json("manifest.json")
+    shards = [{"name": s["name"], "rows": s["rows"], "samples": s["samples"],
+               "i2t_share": (s.get("budget") or {}).get("realized")}
+              for s in manifest["shards"]]
+    return {"path": path, "samples": manifest["totals"]["samples"],
+            "input_rows": manifest["funnel"]["input_rows"],
+            "funnel": manifest["funnel"]["final"], "budget": manifest["budget"],
+            "tasks": manifest["totals"]["tasks"], "shards": shards,
+            "models": manifest["models"], "classifiers": manifest.get("classifiers") or [],
+            "recaption": manifest.get("recaption"), "vocab": manifest.get("vocab")}

@@ -12,12 +12,16 @@ import typer
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 
 SetOpt = Annotated[list[str] | None, typer.Option(
-    "--set", help="override a config key, e.g. --set run.steps=200 (repeatable)")]
+    "--set", metavar="KEY=VALUE",
+    help="override a config key, e.g. --set run.steps=200 (repeatable)")]
 
 
 @app.command()
-def train(config: Annotated[Path, typer.Argument(help="train YAML config")],
-          set_: SetOpt = None) -> None:
+def train(config: Annotated[Path, typer.Argument(help="train YAML config", metavar="CONFIG")],
+          set_: SetOpt = None,
+          quiet: Annotated[bool, typer.Option(
+              "--quiet", "-q", help="no progress line every run.log_every steps (steps/s, "
+              "tokens/s, ETA); report.json keeps them")] = False) -> None:
     """Train the bundled decoder-only model on training shards; writes OUT/report.json.
 
     Run with torchrun for DDP, e.g. torchrun --standalone --nproc_per_node 2 -m
@@ -31,7 +35,7 @@ def train(config: Annotated[Path, typer.Argument(help="train YAML config")],
         cfg = load_train_config(config, set_ or [])
         from pairforge.train.loop import train as run_training
 
-        report = run_training(cfg, log=typer.echo)
+        report = run_training(cfg, log=typer.echo, quiet=quiet)
     except (ConfigError, VocabMismatch, FileNotFoundError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -47,7 +51,8 @@ def sample(
     output: Annotated[str, typer.Option("-o", "--output", help="PNG sheet to write")]
     = "samples.png",
     prompt: Annotated[list[str] | None, typer.Option(
-        "--prompt", "-p", help="caption to draw (repeatable); default: held-out captions")]
+        "--prompt", "-p", metavar="TEXT",
+        help="caption to draw (repeatable); default: held-out captions")]
     = None,
     n: Annotated[int, typer.Option("-n", help="held-out samples to use")] = 8,
     cfg_scale: Annotated[float, typer.Option(help="classifier-free guidance scale")] = 3.0,

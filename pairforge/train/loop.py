@@ -257,6 +257,35 @@ def log_line(entry: dict[str, Any], steps: int) -> str:
     return line
 
 
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else \
+        f"{minutes}:{secs:02d}"
+
+
+@dataclass
+class Pace:
+    """Speed since the previous log line, for the person watching (not in report.json:
+    it says how busy the machine was, not what the run learned)."""
+
+    last_step: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    last_time: float = field(default_factory=time.perf_counter)
+    tokens: Any = 0  # non-pad tokens since the last line, all processes (a device tensor)
+
+    def line(self, step: int, steps: int) -> str:
+        now = time.perf_counter()
+        seconds = max(now - self.last_time, 1e-9)
+        rate = (step - self.last_step) / seconds
+        tokens = float(self.tokens) / seconds
+        eta = (steps - step) / rate if rate > 0 else math.inf
+        self.last_step, self.last_time, self.tokens = step, now, 0
+        return (f" | {rate:.2f} steps/s {tokens:,.0f} tokens/s, elapsed "
+                f"{_duration(now - self.started)}, ETA {_duration(eta)}")
+
+
 # ---------------------------------------------------------------------------- loop
 @dataclass
 class Run:
@@ -272,6 +301,8 @@ class Run:
     window: LossSums
     out: Path
     log: Log
+    pace: Pace = field(default_factory=Pace)
+    quiet: bool = False  # no line per log_every steps (report.json still has them)
 
     def step(self, batch: Batch) -> None:
         batch = batch.to(self.d.device)
@@ -282,6 +313,7 @@ class Run:
         if dist.is_initialized():  # the global token mean: DDP averages over processes
             dist.all_reduce(n)
         loss = losses.sum() / n * self.d.world
+        self.pace.tokens = self.pace.tokens + n.detach()  # read only when a line is logged
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.optim.grad_clip:
@@ -306,8 +338,9 @@ class Run:
         if evaluate_now and (held := self.heldout()) is not None:
             entry["heldout"] = held
         self.state.history.append(entry)
-        if self.d.main:
-            self.log(log_line(entry, self.cfg.run.steps))
+        if self.d.main and not self.quiet:
+            self.log(log_line(entry, self.cfg.run.steps) + self.pace.line(
+                self.state.step, self.cfg.run.steps))
         return entry
 
     def save(self) -> None:
@@ -335,7 +368,7 @@ def build_run(cfg: TrainConfig, d: Dist, log: Log) -> Run:
         ids = [d.device.index] if d.device.type == "cuda" else None
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     return Run(cfg, d, datasets, layout, model, ddp, optimizer, scheduler, state, window, out,
-               log)
+               log, Pace(last_step=state.step))
 
 
 def run_loop(run: Run) -> str:
@@ -359,12 +392,14 @@ def run_loop(run: Run) -> str:
     return "finished"
 
 
-def train(cfg: TrainConfig, log: Log = print) -> dict[str, Any]:
-    """Train as configured; write OUT/checkpoint.pt and OUT/report.json; return the report."""
+def train(cfg: TrainConfig, log: Log = print, quiet: bool = False) -> dict[str, Any]:
+    """Train as configured; write OUT/checkpoint.pt and OUT/report.json; return the report.
+    ``quiet``: no progress line per ``log_every`` steps."""
     d = setup_distributed(cfg.run)
     try:
         started = time.perf_counter()
         run = build_run(cfg, d, log)
+        run.quiet = quiet
         if d.main:
             log(f"model: {run.model.num_parameters():,} parameters, vocabulary "
                 f"{run.layout.describe()}; {len(run.datasets.train)} train shards, "

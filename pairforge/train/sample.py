@@ -224,6 +224,13 @@ def sheet(rows: list[list[tuple[Image.Image, str]]]) -> Image.Image:
     return out
 
 
+def caption_label(generated: str, reference: str) -> str:
+    """The text under a captioned image: an empty generation is said, not shown as
+    "model:  |"."""
+    said = generated.strip() or "(nothing: no caption tokens generated)"
+    return f"model: {said} | ref: {reference}"
+
+
 def sample_run(run: str | Path, output: str, prompts: list[str] | None = None, n: int = 8,
                cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 0,
                seed: int = 0) -> dict[str, Any]:
@@ -243,7 +250,7 @@ def sample_run(run: str | Path, output: str, prompts: list[str] | None = None, n
                 for s in held]
     recon = image.decode([np.asarray(s["codes"], np.int32) for s in held])
     rows = [[(im, f"prompt: {p}") for im, p in zip(drawn, prompts, strict=True)],
-            [(im, f"model: {c['generated']} | ref: {c['reference']}")
+            [(im, caption_label(c["generated"], c["reference"]))
              for im, c in zip(recon, captions, strict=True)]]
     sheet([r for r in rows if r]).save(output)
     result = {"cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k, "seed": seed,
