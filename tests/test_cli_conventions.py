@@ -155,3 +155,27 @@ def test_readme_config_block_shows_the_defaults():
     wrong = {k: (v, defaults.get(k, "not a key")) for k, v in shown.items()
              if k not in ("input.path", "output.path") and defaults.get(k, "absent") != v}
     assert wrong == {}
+
+
+def test_train_progress_line_says_steps_tokens_elapsed_and_eta(monkeypatch):
+    from pairforge.train import loop
+
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: 110.0)
+    pace = loop.Pace(last_step=10, started=100.0, last_time=100.0)
+    pace.tokens = 51_200
+    assert pace.line(30, 1030) == (" | 2.00 steps/s 5,120 tokens/s, elapsed 0:10, "
+                                   "ETA 8:20")
+    assert (pace.last_step, pace.tokens) == (30, 0)
+
+
+def test_train_help_says_what_q_leaves_out():
+    assert "run.log_every" in run(["train", "-h"]).stdout
+
+
+def test_sample_sheet_says_an_empty_caption_instead_of_an_empty_model_field():
+    from pairforge.train.sample import caption_label
+
+    assert caption_label(" ", "a red circle") == (
+        "model: (nothing: no caption tokens generated) | ref: a red circle")
+    assert caption_label("a red circle", "a red circle") == (
+        "model: a red circle | ref: a red circle")
