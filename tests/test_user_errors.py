@@ -304,7 +304,11 @@ def test_show_where_the_tokenizer_path_does_not_resolve_notes_it_and_draws(tmp_p
     assert "Traceback" not in result.output
     assert ("note: no VQ reconstructions: the image tokenizer models/vq-built-elsewhere does "
             "not load from here") in result.output
-    assert Image.open(tmp_path / "s.png").size == (4 * 192, 192 + 4 * 13 + 8)  # one column
+    from pairforge.shards.show import LABEL_HEIGHT, LINE_HEIGHT, PAD, TEXT_LINES, TILE
+
+    # one image per tile (no reconstruction column)
+    assert Image.open(tmp_path / "s.png").size == (
+        4 * TILE, LABEL_HEIGHT + TILE + TEXT_LINES * LINE_HEIGHT + 2 * PAD)
 
 
 def _jpeg(image) -> bytes:  # noqa: ANN001

@@ -1,17 +1,21 @@
 """`pairforge show`: a contact sheet of training samples, with VQ reconstructions.
 
-Each tile shows the image, beside it what the image tokenizer's decoder makes of its
-codes (when the tokenizer has a decoder), and below them the task, CLIP score, which
-caption trains (recaption or original) and that caption. ``--status STATUS`` shows the rows
-that left with that status instead (e.g. what a classifier dropped as ``unsafe``): the
-image from the raw shard, why it was dropped, and its original caption.
+Each tile shows the image labelled "original", beside it what the image tokenizer's decoder
+makes of its codes labelled "VQ reconstruction" (when the tokenizer has a decoder), and
+below them the key, task (or status), every score the row has, which caption trains
+(recaption or original) and that caption, wrapped to the tile in DejaVu Sans (the TrueType
+font matplotlib ships: Pillow's built-in bitmap font is tiny and drops spaces).
+``--status STATUS`` shows the rows that left with that status instead (e.g. what a
+classifier dropped as ``unsafe``): the image from the raw shard, why it was dropped, and
+its original caption.
 """
 
 from __future__ import annotations
 
 import io
 import posixpath
-import textwrap
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,8 +29,13 @@ from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
 from pairforge.shards.training import IMAGE_EXTENSIONS
 
 TILE = 192
-TEXT_LINES = 4
-LINE_HEIGHT = 13
+FONT_SIZE = 12
+LINE_HEIGHT = 15
+LABEL_HEIGHT = 16  # the "original" / "VQ reconstruction" line above the images
+TEXT_LINES = 6  # key and task, scores, caption source, then the caption's first lines
+PAD = 4
+SAMPLE_LABELS = ("original", "VQ reconstruction")
+DUPLICATE_LABELS = ("dropped duplicate", "kept")
 
 
 def select_samples(out: OutputDir, task: str | None, grep: str | None,
@@ -114,28 +123,86 @@ def _fit(image: Image.Image, side: int) -> Image.Image:
                             if max(image.size) < side // 2 else Image.Resampling.BICUBIC)
 
 
+@cache
+def sheet_font(size: int = FONT_SIZE) -> ImageFont.FreeTypeFont:
+    """DejaVu Sans from matplotlib's data folder: a real TrueType font on every install."""
+    import matplotlib
+
+    return ImageFont.truetype(str(Path(matplotlib.get_data_path(), "fonts", "ttf",
+                                       "DejaVuSans.ttf")), size)
+
+
+def wrap_pixels(text: str, font: ImageFont.FreeTypeFont, width: float) -> list[str]:
+    """``text`` in lines no wider than ``width`` px, broken between words (a word wider
+    than a line is broken between characters)."""
+    lines: list[str] = []
+    line = ""
+    for word in text.split():
+        candidate = f"{line} {word}" if line else word
+        if font.getlength(candidate) <= width:
+            line = candidate
+            continue
+        if line:
+            lines.append(line)
+        while font.getlength(word) > width:
+            cut = max(1, max(i for i in range(1, len(word) + 1)
+                             if font.getlength(word[:i]) <= width or i == 1))
+            lines.append(word[:cut])
+            word = word[cut:]
+        line = word
+    return [*lines, line] if line else lines
+
+
+def _scores(meta: dict[str, Any]) -> str:
+    scores = [f"{k.removesuffix('_score')} {v:.3f}" for k, v in sorted(meta.items())
+              if k.endswith("_score") and isinstance(v, float | int)]
+    return " · ".join(scores) or "no scores"
+
+
+def tile_lines(sample: dict[str, Any], font: ImageFont.FreeTypeFont, width: float,
+               max_lines: int = TEXT_LINES) -> list[str]:
+    """The text under a tile: key and task or status, scores, what dropped the row or
+    which caption trains, then the caption wrapped; the last line ends in … if cut."""
+    meta = sample["json"]
+    head = f"{sample['__key__']} · " + (f"task {meta['task']}" if meta.get("task")
+                                       else f"status {meta.get('status') or 'ok'}")
+    why = meta.get("error") or (f"caption: {meta['caption_source']}"
+                                if meta.get("caption_source") else "")
+    fixed = [head, _scores(meta)] + ([why] if why else [])
+    fixed = [line for text in fixed for line in wrap_pixels(text, font, width)]
+    caption = wrap_pixels(sample["txt"], font, width) or ["(no caption)"]
+    lines = fixed + caption
+    if len(lines) > max_lines:
+        lines = lines[:max_lines]
+        last = lines[-1]
+        while last and font.getlength(last + " …") > width:
+            last = last[:-1]
+        lines[-1] = last.rstrip() + " …"
+    return lines
+
+
 def contact_sheet(samples: list[dict[str, Any]], recons: list[Image.Image | None],
-                  columns: int = 4) -> Image.Image:
-    tile_w = TILE * (2 if any(r is not None for r in recons) else 1)
-    tile_h = TILE + TEXT_LINES * LINE_HEIGHT + 8
+                  columns: int = 4, labels: tuple[str, str] = SAMPLE_LABELS) -> Image.Image:
+    """Tiles of ``columns`` per row: the image (and ``recons`` beside it when any), each
+    headed by its label in ``labels``, and the tile's text below."""
+    paired = any(r is not None for r in recons)
+    tile_w = TILE * (2 if paired else 1)
+    tile_h = LABEL_HEIGHT + TILE + TEXT_LINES * LINE_HEIGHT + 2 * PAD
     rows = max(1, -(-len(samples) // columns))
     sheet = Image.new("RGB", (columns * tile_w, rows * tile_h), "white")
     draw = ImageDraw.Draw(sheet)
-    font = ImageFont.load_default()
+    font = sheet_font()
     for i, (sample, recon) in enumerate(zip(samples, recons, strict=True)):
         x, y = (i % columns) * tile_w, (i // columns) * tile_h
-        sheet.paste(_fit(_image(sample), TILE), (x, y))
-        if recon is not None:
-            sheet.paste(_fit(recon.convert("RGB"), TILE), (x + TILE, y))
-        meta = sample["json"]
-        score = meta.get("clip_score")
-        head = f"{sample['__key__']} {meta.get('task') or meta.get('status') or ''}" + (
-            f" clip {score:.3f}" if score is not None else "") + (
-            f" [{meta['caption_source']}]" if meta.get("caption_source") else "")
-        why = [meta["error"]] if meta.get("error") else []  # a dropped row: what dropped it
-        lines = [head, *why, *textwrap.wrap(sample["txt"], width=tile_w // 7)][:TEXT_LINES]
-        for j, line in enumerate(lines):
-            draw.text((x + 4, y + TILE + 4 + j * LINE_HEIGHT), line, fill="black", font=font)
+        draw.text((x + PAD, y + 1), labels[0], fill="#555555", font=font)
+        sheet.paste(_fit(_image(sample), TILE), (x, y + LABEL_HEIGHT))
+        if paired:
+            draw.text((x + TILE + PAD, y + 1), labels[1], fill="#555555", font=font)
+            if recon is not None:
+                sheet.paste(_fit(recon.convert("RGB"), TILE), (x + TILE, y + LABEL_HEIGHT))
+        top = y + LABEL_HEIGHT + TILE + PAD
+        for j, line in enumerate(tile_lines(sample, font, tile_w - 2 * PAD)):
+            draw.text((x + PAD, top + j * LINE_HEIGHT), line, fill="black", font=font)
     return sheet
 
 
@@ -190,7 +257,8 @@ def _duplicates_sheet(out: OutputDir, output: str, kind: str | None, grep: str |
     pairs = duplicate_pairs(out, kind, grep, n)
     if not pairs:
         return 0
-    sheet = contact_sheet([s for s, _ in pairs], [kept for _, kept in pairs])
+    sheet = contact_sheet([s for s, _ in pairs], [kept for _, kept in pairs],
+                          labels=DUPLICATE_LABELS)
     try:
         sheet.save(output)
     except OSError as err:
