@@ -59,3 +59,17 @@ def test_skipped_arms_take_their_builds_with_them(ablation):
     assert "recaption-p0.1" not in builds and "recipe/replacement-p0.1" not in runs
     assert {"noisy", "recaption", "oracle", "share0.25", "share0.75"} == set(builds)
     assert len(runs) == 8  # 3 caption arms, 2 recipe at p_drop 0.3, staged, 2 corruption
+
+
+def test_profiles_fill_only_unset_settings(ablation):
+    import argparse
+
+    quick = ablation.with_profile(argparse.Namespace(
+        quick=True, seeds=None, train=None, heldout=None, prompts=None, steps=1000,
+        d_model=None, layers=None))
+    assert (quick.seeds, quick.train, quick.steps, quick.d_model) == (1, 3000, 1000, 96)
+    full = ablation.with_profile(argparse.Namespace(
+        quick=False, seeds=None, train=None, heldout=None, prompts=None, steps=None,
+        d_model=None, layers=None))
+    assert (full.seeds, full.train, full.heldout, full.steps, full.layers) == \
+        (3, 10000, 1000, 3000, 3)
