@@ -11,7 +11,7 @@ demo: install
 	pairforge build examples/demo.yaml
 
 test: install
-	$(PYTHON) -m pytest -q -ra
+	$(PYTHON) -m pytest -q -ra -n 2 --dist loadfile
 
 lint:
 	ruff check pairforge tests bench
