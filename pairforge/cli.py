@@ -71,7 +71,13 @@ def _load(config: Path, overrides: list[str] | None) -> PairforgeConfig:
         raise _user_error(err) from None
 
 
-def _print_stage(name: str, summary: dict[str, Any]) -> None:
+def _print_log(summary: dict[str, Any], out: str) -> None:
+    if summary.get("log"):
+        console.print(f"log: {out.rstrip('/')}/{summary['log']}", highlight=False,
+                      soft_wrap=True)
+
+
+def _print_stage(name: str, summary: dict[str, Any], out: str) -> None:
     rate = summary.get("rows_per_s")
     note = f", {rate:,} rows/s" if rate else ""
     skipped = summary.get("shards_skipped", 0)
@@ -84,6 +90,7 @@ def _print_stage(name: str, summary: dict[str, Any]) -> None:
                       f"{semantic.get('embeddings', 0):,} embedded rows dropped "
                       f"({semantic.get('clusters', 0):,} clusters, cosine >= "
                       f"{semantic.get('threshold')})")
+    _print_log(summary, out)
 
 
 def _run_guarded(fn, *args):  # noqa: ANN001, ANN202
@@ -109,7 +116,8 @@ def download(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
 
     cfg = _load(config, set_)
     _preflight(cfg, "download")
-    _print_stage("download", _run_guarded(run_download, cfg, not quiet, force))
+    _print_stage("download", _run_guarded(run_download, cfg, not quiet, force),
+                 cfg.output.path)
 
 
 def _print_dedup(stats: dict[str, Any]) -> None:
@@ -145,7 +153,8 @@ def process(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
 
     cfg = _load(config, set_)
     _preflight(cfg, "process")
-    _print_stage("process", _run_guarded(run_process, cfg, not quiet, force))
+    _print_stage("process", _run_guarded(run_process, cfg, not quiet, force),
+                 cfg.output.path)
 
 
 @app.command()
@@ -162,9 +171,11 @@ def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
     # every stage's complete shards are checked now: a stage-3 change stops the build
     # before stage 1, not after it
     _run_guarded(check_settings, cfg, ("download", "process"), force)
-    _print_stage("download", _run_guarded(run_download, cfg, not quiet, force))
+    _print_stage("download", _run_guarded(run_download, cfg, not quiet, force),
+                 cfg.output.path)
     _print_dedup(_run_guarded(run_dedup_stage, cfg, False, not quiet))
-    _print_stage("process", _run_guarded(run_process, cfg, not quiet, force))
+    _print_stage("process", _run_guarded(run_process, cfg, not quiet, force),
+                 cfg.output.path)
     out = cfg.output.path
     console.print(f"training shards: [b]{out}/shards/[/b], manifest: [b]{out}/manifest.json[/b]")
     console.print(f"next: [b]pairforge inspect[/b] {out}   [b]pairforge show[/b] {out} -o sheet.png"
@@ -262,8 +273,8 @@ def eval_run(
     prompts: Annotated[int, typer.Option(help="held-out prompts to draw")] = 200,
     captions: Annotated[int, typer.Option(help="held-out images to caption")] = 200,
     cfg_scale: Annotated[list[float] | None, typer.Option(
-        metavar="SCALE", help="classifier-free guidance scale; give it more than once to choose the best on "
-             "separate validation prompts [default: 1.0, 1.5, 3.0]")] = None,
+        metavar="SCALE", help="classifier-free guidance scale; give it more than once to "
+        "choose the best on separate validation prompts [default: 1.0, 1.5, 3.0]")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     sheet: Annotated[Path | None, typer.Option(help="PNG of the first drawings")] = None,
 ) -> None:

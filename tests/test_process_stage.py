@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -400,6 +401,13 @@ def test_manifest_sizes_and_wids_index(tmp_path, coco_raw, tiny_vq, ray_local):
     assert abs(manifest["budget"]["realized_unconditional_share"] - 0.5) <= 4 * 64 / (64 * 38)
     assert manifest["funnel"]["input_rows"] == N_IMAGES
     assert manifest["funnel"]["final"] == {"ok": 38, "http_error": 1, "caption_too_short": 1}
+    log = (out / manifest["log"]).read_text()  # the run's log, named by the manifest
+    assert re.match(r"logs/process-\d{8}T\d{6}Z\.log$", manifest["log"])
+    assert "INFO process: steps basic, tokenize (" in log
+    assert re.search(r"INFO shards/00000: 40 rows, 38 ok; steps: basic 40 rows [\d.]+ s, "
+                     r"tokenize 38 rows [\d.]+ s\n", log), log
+    assert re.search(r"WARNING shards/00000: 1 http_error, e\.g\. \d{9} \(", log), log
+    assert log.rstrip().endswith("INFO process finished")
     sizes = json.loads((out / "sizes.json").read_text())
     assert sizes == json.loads((out / "shards" / "sizes.json").read_text())
     assert sum(sizes.values()) == N_IMAGES - 2

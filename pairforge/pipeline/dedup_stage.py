@@ -193,12 +193,13 @@ def inputs_digest(files: list[str], indexes: list[str], cfg: DedupConfig,
 
 def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
               storage_options: dict | None = None, *, source: str | None = None,
-              force: bool = False) -> dict:
+              force: bool = False, say: Callable[[str], None] = lambda _: None) -> dict:
     """Stage 2: write ``out_dir/duplicates.parquet`` (+ index) and return the stats.
 
     A finished run (its stats file exists) is reused when it was computed from the same
     config and raw/index files; otherwise, or with ``force``, it is redone. ``source``
     labels this build's rows in the index it writes (default: the parent of out_dir).
+    ``say`` gets a line as each phase starts (read, join, write).
     """
     opts = dict(storage_options or {})
     fs, root = fsspec.core.url_to_fs(out_dir, **opts)
@@ -212,14 +213,21 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
     indexes = _index_files(cfg.index, opts)
     digest = inputs_digest(files, indexes, cfg, opts)
     if finished and finished.get("inputs_digest") == digest:
+        say("dedup: the finished run matches the raw shards, index files and config: reused")
         return finished
     started = time.perf_counter()
+    say(f"dedup: reading the hashes of {len(files)} raw shards and {len(indexes)} index "
+        "files; starting Ray…")
     init_ray(ray_cfg)
     rows, status, index = _read_all(files, indexes, opts, ray_cfg.max_task_retries)
     read_s = time.perf_counter() - started
+    say(f"dedup: joining {rows.num_rows:,} rows' hashes (exact, then near within "
+        f"{cfg.max_distance} bits, as banded Ray tasks; read in {read_s:.1f} s)…")
     result = find_duplicates(rows, cfg.max_distance, index,
                              ray_mapper(ray_cfg.max_task_retries))
     decide_s = time.perf_counter() - started - read_s
+    say(f"dedup: {result.duplicates.num_rows:,} duplicates found in {decide_s:.1f} s; "
+        "writing duplicates" + (" and index" if cfg.write_index else ""))
     _write_atomic(fs, posixpath.join(root, DUPLICATES_FILE),
                   _parquet_bytes(result.duplicates))
     if cfg.write_index:

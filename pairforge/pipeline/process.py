@@ -22,8 +22,9 @@ from pairforge.filters.classify import classifier_steps
 from pairforge.filters.clip import ClipStep
 from pairforge.pipeline.plan import plan_shards, score_threshold
 from pairforge.pipeline.preflight import check_model_sources
-from pairforge.pipeline.progress import StageDisplay
+from pairforge.pipeline.progress import StageDisplay, say
 from pairforge.pipeline.ray_runtime import init_ray
+from pairforge.pipeline.runlog import log_shard, run_log
 from pairforge.pipeline.semantic_stage import run_semantic_dedup
 from pairforge.pipeline.settings import check_settings
 from pairforge.pipeline.stream import stream_shards
@@ -31,7 +32,7 @@ from pairforge.pipeline.write import write_scores_task, write_shard_task
 from pairforge.recaption.choice import TrainingCaptionStep
 from pairforge.recaption.step import RecaptionStep
 from pairforge.shards.manifest import build_manifest, write_dataset_files
-from pairforge.shards.raw import completed_shards
+from pairforge.shards.raw import completed_shards, stats_name
 from pairforge.shards.storage import (
     EMBEDDINGS_FOLDER,
     RAW_FOLDER,
@@ -39,7 +40,7 @@ from pairforge.shards.storage import (
     SHARDS_FOLDER,
     OutputDir,
 )
-from pairforge.stage import Step
+from pairforge.stage import ModelStep, Step
 from pairforge.tokenizers.step import TokenizeStep
 
 
@@ -93,11 +94,31 @@ def run_process(cfg: PairforgeConfig, show_progress: bool = True,
     these settings (``force``: redo the shards made under others; else they stop it)."""
     check_model_sources(cfg)
     check_settings(cfg, ("process",), force)
+    with run_log(cfg, "process") as log:
+        return {**_process(cfg, show_progress, log), "log": log}
+
+
+def _step_line(step: type[Step], cfg: PairforgeConfig) -> str:
+    """A step as the start-up line names it: the model and the actors that load it."""
+    if not issubclass(step, ModelStep):
+        return step.name
+    models = {"clip": cfg.process.clip.model, "recaption": cfg.process.recaption.model,
+              "tokenize": (cfg.process.tokenize.image.path_or_id
+                           if cfg.process.tokenize.image else None)}
+    model = models.get(step.name)
+    size = step.pool_config(cfg).pool_size
+    return f"{step.name} ({model + ' on ' if model else ''}{size} actor{'s' * (size != 1)})"
+
+
+def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, Any]:
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(SHARDS_FOLDER)
     out.remove_temporaries(SHARDS_FOLDER)
+    say("process: starting Ray…")
     init_ray(cfg.ray)
     steps = enabled_steps(cfg)
+    say("process: steps " + ", ".join(_step_line(s, cfg) for s in steps)
+        + "; each actor loads its model before the first batch…")
     started = time.time()
     stats_extra: dict[str, Any] = {"stage": "process", "steps": [s.name for s in steps],
                                    **_clip_stats(cfg)}
@@ -112,20 +133,24 @@ def run_process(cfg: PairforgeConfig, show_progress: bool = True,
     plans = plan_shards(out, cfg, SHARDS_FOLDER)
     all_ids = sorted(completed_shards(out, RAW_FOLDER))
     rows = sum(p.to_process for p in plans)
-    display = (StageDisplay("process", len(all_ids), rows, len(all_ids) - len(plans))
-               if show_progress else None)
+    display = StageDisplay("process", len(all_ids), rows, len(all_ids) - len(plans),
+                           live=show_progress)
     with contextlib.ExitStack() as scope:
         for step in steps:
             scope.enter_context(step.build_scope(cfg))
-        with display or contextlib.nullcontext():
+        with display:
             stream_shards(cfg, out, plans, steps, write_shard_task, stats_extra, display)
+    for plan in plans:
+        log_shard(out, SHARDS_FOLDER, out.read_json(SHARDS_FOLDER, stats_name(plan.shard_id)))
     # a writer attempt lost with its node leaves its temporary file; its retry wrote the shard
     for folder in (SHARDS_FOLDER, SCORES_FOLDER, EMBEDDINGS_FOLDER):
         out.remove_temporaries(folder)
     seconds = time.time() - started
     from pairforge.pipeline.runner import summarise
 
-    write_dataset_files(out, build_manifest(out, cfg))
+    manifest = build_manifest(out, cfg)
+    manifest["log"] = log  # this run's log file, relative to OUT (each stage run has one)
+    write_dataset_files(out, manifest)
     summary = summarise(out, SHARDS_FOLDER, all_ids)
     return {**summary, "shards_skipped": len(all_ids) - len(plans), "seconds": round(seconds, 2),
             "rows_per_s": round(rows / seconds, 1) if rows else None, **stats_extra}

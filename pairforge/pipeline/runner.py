@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 from pairforge.config import PairforgeConfig
@@ -17,8 +17,9 @@ from pairforge.pipeline.inputs import (
     read_input_table,
     split_shards,
 )
-from pairforge.pipeline.progress import ProgressCounter, StageDisplay
+from pairforge.pipeline.progress import LOG, ProgressCounter, StageDisplay, say
 from pairforge.pipeline.ray_runtime import driver_local_actor, init_ray
+from pairforge.pipeline.runlog import log_shard, run_log
 from pairforge.pipeline.sample_server import bundled_sample_table, serve_directory
 from pairforge.shards.raw import completed_shards, stats_name
 from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir
@@ -45,11 +46,15 @@ def run_download(cfg: PairforgeConfig, show_progress: bool = True,
                  force: bool = False) -> dict[str, Any]:
     """Stage 1 over every shard not yet complete under these settings (``force``: redo the
     shards made under others; else they stop it); returns the funnel of all shards."""
-    import ray
-
     from pairforge.pipeline.settings import check_settings
 
     check_settings(cfg, ("download",), force)
+    with run_log(cfg, "download") as log:
+        return {**_download(cfg, show_progress), "log": log}
+
+
+def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
+    import ray
 
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(RAW_FOLDER)
@@ -57,6 +62,7 @@ def run_download(cfg: PairforgeConfig, show_progress: bool = True,
     with input_shards(cfg) as shards:
         done = completed_shards(out, RAW_FOLDER)
         todo = [s for s in shards if s.shard_id not in done]
+        say(f"download: {len(todo)} of {len(shards)} shards to fetch; starting Ray…")
         init_ray(cfg.ray)
         counter = driver_local_actor(ProgressCounter)
         # Retried by Ray when the task's worker or node dies (system failures only: a
@@ -65,16 +71,17 @@ def run_download(cfg: PairforgeConfig, show_progress: bool = True,
         limit = cfg.download.processes or max(1, int(ray.cluster_resources().get("CPU", 1)))
         skipped = len(shards) - len(todo)
         rows_todo = sum(s.rows.num_rows for s in todo)
-        display = (StageDisplay("download", len(shards), rows_todo, skipped)
-                   if show_progress else None)
+        display = StageDisplay("download", len(shards), rows_todo, skipped, live=show_progress)
 
         def tick(finished: int) -> None:
-            if display:
-                display.update(ray.get(counter.total.remote()), skipped + finished)
+            display.update(ray.get(counter.total.remote()), skipped + finished)
+
+        def done_shard(stats: dict[str, Any]) -> None:
+            log_shard(out, RAW_FOLDER, stats)
 
         started = time.time()
-        with display or nullcontext():
-            _run_bounded(todo, lambda s: task.remote(s, cfg, counter), limit, tick)
+        with display:
+            _run_bounded(todo, lambda s: task.remote(s, cfg, counter), limit, tick, done_shard)
         ray.kill(counter)
         seconds = time.time() - started
     # A task attempt killed with its node leaves its temporary file; its retry wrote the
@@ -91,12 +98,17 @@ def run_dedup_stage(cfg: PairforgeConfig, force: bool = False,
     from pairforge.pipeline.dedup_stage import run_dedup
 
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
-    return run_dedup(out.uri(RAW_FOLDER), out.uri(DEDUP_FOLDER), cfg.dedup, cfg.ray,
-                     cfg.output.storage_options, force=force)
+    with run_log(cfg, "dedup") as log:
+        stats = run_dedup(out.uri(RAW_FOLDER), out.uri(DEDUP_FOLDER), cfg.dedup, cfg.ray,
+                          cfg.output.storage_options, force=force,
+                          say=say if show_progress else LOG.info)
+        LOG.info("dedup: %s", {k: v for k, v in stats.items() if not isinstance(v, dict)})
+    return {**stats, "log": log}
 
 
-def _run_bounded(items: list, submit, limit: int, on_tick) -> None:
-    """Keep at most ``limit`` tasks in flight (bounded memory), ticking the display."""
+def _run_bounded(items: list, submit, limit: int, on_tick, on_result=None) -> None:  # noqa: ANN001
+    """Keep at most ``limit`` tasks in flight (bounded memory), ticking the display;
+    ``on_result`` gets each task's result as it finishes."""
     import ray
 
     queue, in_flight, finished = list(items), [], 0
@@ -106,7 +118,9 @@ def _run_bounded(items: list, submit, limit: int, on_tick) -> None:
         ready, in_flight = ray.wait(in_flight, num_returns=len(in_flight), timeout=0.5,
                                     fetch_local=False)
         for ref in ready:
-            ray.get(ref)  # re-raises a task's error in the driver
+            result = ray.get(ref)  # re-raises a task's error in the driver
+            if on_result:
+                on_result(result)
             finished += 1
         on_tick(finished)
 

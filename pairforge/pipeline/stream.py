@@ -25,7 +25,7 @@ from pairforge.records import STEP_INPUT_COLUMNS, Status
 from pairforge.shards.raw import shard_name
 from pairforge.shards.storage import RAW_FOLDER, SCORES_FOLDER, OutputDir
 from pairforge.shards.training import read_raw_images
-from pairforge.stage import Step
+from pairforge.stage import SECONDS_PREFIX, Step
 
 # (config, plan, the steps' results for the shard, stats for every shard, the step chain)
 Writer = Callable[[PairforgeConfig, ShardPlan, pa.Table, dict[str, Any], list[type[Step]]],
@@ -92,6 +92,7 @@ def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
     counts: Counter = Counter()
     writes: list = []
     already_done = (display.shards_done if display else 0)
+    through: Counter = Counter()  # rows each step has passed (its seconds column is set)
 
     def finish(shard_id: int) -> None:
         parts = buffers.pop(shard_id, [])
@@ -112,6 +113,10 @@ def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
         actor_cpus = fit_actor_cpus(steps, cfg, ray.cluster_resources().get("CPU", 1.0))
         ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=_dropped_after(cfg))
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            for step in steps:
+                column = SECONDS_PREFIX + step.name
+                if column in batch.column_names:
+                    through[step.name] += batch.num_rows - batch[column].null_count
             for shard_id in pc.unique(batch["shard"]).to_pylist():
                 part = batch.filter(pc.equal(batch["shard"], shard_id)).drop_columns(["shard"])
                 buffers[shard_id].append(part)
@@ -120,5 +125,6 @@ def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
                 if received[shard_id] == by_id[shard_id].to_process:
                     finish(shard_id)
             if display:
-                display.update(dict(counts), already_done + len(writes))
+                display.update(dict(counts), already_done + len(writes),
+                               {s.name: through[s.name] for s in steps})
     ray.get(writes)
