@@ -218,6 +218,10 @@ class OpenAIServerConfig(Strict):
     concurrency: int = Field(8, gt=0, description="requests in flight per actor")
     timeout_s: float = Field(60.0, gt=0, description="per request")
     retries: int = Field(3, ge=0, description="retries on timeouts, 429 and 5xx (with backoff)")
+    logit_bias_tokenizer: str | None = Field(
+        None, description="the served model's tokenizer (hub id or local folder): with "
+        "recaption.constrained_decoding, requests carry logit_bias -100 for the blocked "
+        "words' single tokens (vLLM, SGLang and OpenAI accept it); null: no logit_bias")
 
 
 class RecaptionCacheConfig(Strict):
@@ -258,6 +262,9 @@ class RecaptionConfig(ModelPoolConfig):
     temperature: float = Field(0.0, ge=0, le=1, description="0: greedy decoding")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: float32 on CPU, bfloat16 on GPU")
+    constrained_decoding: bool = Field(
+        True, description="refuse the attribute filter's person nouns and gendered pronouns "
+        "while generating (recaption/constrain.py); the post-filter runs either way")
     openai: OpenAIServerConfig = Field(default_factory=OpenAIServerConfig)
     cache: RecaptionCacheConfig = Field(default_factory=RecaptionCacheConfig)
     grounding: GroundingConfig = Field(default_factory=GroundingConfig)

@@ -26,6 +26,7 @@ class CaptionServer:
         self.captioner, self.model_name, self.fail_first = captioner, model_name, fail_first
         self.requests = 0
         self.prompts: Counter[str] = Counter()
+        self.logit_biases: list[dict[str, int] | None] = []  # as each request carried it
         self.max_in_flight = 0
         self._in_flight = 0
         self._lock = threading.Lock()
@@ -54,6 +55,7 @@ class CaptionServer:
         image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
         with self._model_lock:
             self.prompts[prompt] += 1
+            self.logit_biases.append(body.get("logit_bias"))
             text = self.captioner.generate([image], prompt)[0]
         return 200, {"object": "chat.completion", "model": self.model_name,
                      "choices": [{"index": 0, "finish_reason": "stop",

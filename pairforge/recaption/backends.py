@@ -18,6 +18,7 @@ from typing import Any
 from PIL import Image
 
 from pairforge.config import RecaptionConfig
+from pairforge.recaption.constrain import WordBlocker
 from pairforge.retry import backoff_seconds
 
 
@@ -33,7 +34,8 @@ class TransformersCaptioner(Captioner):
     """Any ``AutoModelForImageTextToText`` model (BLIP, GIT, Florence-2, SmolVLM/Idefics3,
     PaliGemma, Qwen2-VL, ...) with its own processor, by hub id or local folder."""
 
-    def __init__(self, cfg: RecaptionConfig, device: str = "cpu") -> None:
+    def __init__(self, cfg: RecaptionConfig, device: str = "cpu",
+                 blocked: list[str] | None = None) -> None:
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -48,6 +50,8 @@ class TransformersCaptioner(Captioner):
         self.model = AutoModelForImageTextToText.from_pretrained(
             cfg.model, revision=cfg.revision, dtype=dtype).to(device).eval()
         self.mode = self._prompt_mode()
+        # constrained decoding (recaption/constrain.py) in the processor's own subwords
+        self.blocker = WordBlocker(tokenizer, blocked) if blocked and tokenizer else None
 
     def _prompt_mode(self) -> str:
         if self.cfg.prompt_mode != "auto":
@@ -68,6 +72,11 @@ class TransformersCaptioner(Captioner):
         return self.processor(images=images, return_tensors="pt")
 
     def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
+        return self.processor.batch_decode(self.generate_ids(images, prompt),
+                                           skip_special_tokens=True)
+
+    def generate_ids(self, images: list[Image.Image], prompt: str) -> Any:
+        """The generated token ids (a tensor, one row per image), prompt removed."""
         import torch
 
         inputs = self._inputs(images, prompt).to(self.device)
@@ -76,6 +85,8 @@ class TransformersCaptioner(Captioner):
         sample = self.cfg.temperature > 0
         extra = {"do_sample": True, "temperature": self.cfg.temperature} if sample else {
             "do_sample": False}
+        if self.blocker is not None:
+            extra["logits_processor"] = [self.blocker.logits_processor()]
         with torch.inference_mode():
             output = self.model.generate(**inputs, max_new_tokens=self.cfg.max_new_tokens,
                                          **extra)
@@ -84,7 +95,7 @@ class TransformersCaptioner(Captioner):
                 and output.shape[1] >= prompt_ids.shape[1]
                 and torch.equal(output[:, :prompt_ids.shape[1]], prompt_ids)):
             output = output[:, prompt_ids.shape[1]:]  # decoder-only: drop the prompt
-        return self.processor.batch_decode(output, skip_special_tokens=True)
+        return output
 
 
 def data_url(image: Image.Image) -> str:
@@ -100,11 +111,12 @@ class OpenAICaptioner(Captioner):
 
     RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
-    def __init__(self, cfg: RecaptionConfig) -> None:
+    def __init__(self, cfg: RecaptionConfig, blocked: list[str] | None = None) -> None:
         import requests
         from requests.adapters import HTTPAdapter
 
         self.cfg, self.server = cfg, cfg.openai
+        self.logit_bias = _logit_bias(cfg, blocked)
         self.session = requests.Session()
         adapter = HTTPAdapter(pool_connections=1, pool_maxsize=self.server.concurrency)
         self.session.mount("http://", adapter)
@@ -116,11 +128,14 @@ class OpenAICaptioner(Captioner):
         self.url = self.server.base_url.rstrip("/") + "/chat/completions"
 
     def _body(self, image: Image.Image, prompt: str) -> dict[str, Any]:
-        return {"model": self.cfg.model, "max_tokens": self.cfg.max_new_tokens,
+        body = {"model": self.cfg.model, "max_tokens": self.cfg.max_new_tokens,
                 "temperature": self.cfg.temperature,
                 "messages": [{"role": "user", "content": [
                     {"type": "image_url", "image_url": {"url": data_url(image)}},
                     {"type": "text", "text": prompt}]}]}
+        if self.logit_bias:
+            body["logit_bias"] = self.logit_bias
+        return body
 
     def _request(self, body: dict[str, Any]) -> str:
         import requests
@@ -145,7 +160,20 @@ class OpenAICaptioner(Captioner):
         return list(self.pool.map(self._request, [self._body(im, prompt) for im in images]))
 
 
-def load_captioner(cfg: RecaptionConfig, device: str = "cpu") -> Captioner:
+def _logit_bias(cfg: RecaptionConfig, blocked: list[str] | None) -> dict[str, int]:
+    """The served model's token ids to refuse, from its tokenizer when the config names one
+    (a server knows its ids, the client only through the same tokenizer)."""
+    if not blocked or not cfg.openai.logit_bias_tokenizer:
+        return {}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.openai.logit_bias_tokenizer)
+    return WordBlocker(tokenizer, blocked).logit_bias()
+
+
+def load_captioner(cfg: RecaptionConfig, device: str = "cpu",
+                   blocked: list[str] | None = None) -> Captioner:
+    """The configured backend; ``blocked`` words are refused at generation time."""
     if cfg.backend == "openai":
-        return OpenAICaptioner(cfg)
-    return TransformersCaptioner(cfg, device)
+        return OpenAICaptioner(cfg, blocked)
+    return TransformersCaptioner(cfg, device, blocked)

@@ -129,7 +129,11 @@ class RecaptionStep(ModelStep):
 
     @functools.cached_property
     def captioner(self) -> Captioner:
-        return load_captioner(self.cfg.process.recaption, self.device)
+        from pairforge.recaption.constrain import blocked_words
+
+        rc = self.cfg.process.recaption
+        blocked = blocked_words(self.lexicon) if rc.constrained_decoding else None
+        return load_captioner(rc, self.device, blocked)
 
     @functools.cached_property
     def grounding(self) -> GroundingChecker | None:

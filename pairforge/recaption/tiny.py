@@ -22,13 +22,15 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atten
 SMALL = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
 
 
-def train_tokenizer(captions: Iterable[str], vocab_size: int = 512):  # noqa: ANN201
-    """A byte-level BPE with the specials BLIP and GIT expect, as a fast HF tokenizer."""
+def train_tokenizer(captions: Iterable[str], vocab_size: int = 512,  # noqa: ANN201
+                    add_prefix_space: bool = True):
+    """A byte-level BPE with the specials BLIP and GIT expect, as a fast HF tokenizer;
+    ``add_prefix_space=False`` encodes "man" and " man" apart, as GPT-2 and Llama do."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
