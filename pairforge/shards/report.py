@@ -1,9 +1,11 @@
-"""`pairforge report`: one self-contained HTML page with the dataset's plots.
+"""`pairforge report`: one self-contained HTML page about a dataset.
 
-Plots (PNG, embedded as data URLs): the funnel, the CLIP-score histogram with the
-threshold, a histogram per classifier score with its bound, the i2t share of image
-tokens along each shard's prefix against the target, and the tokens per image and per
-caption.
+Sections: a summary; the funnel (table with each status's meaning, and a chart); the token
+budget per task (table), the i2t share along each shard's prefix and the tokens per image
+and caption; CLIP and classifier score histograms with their thresholds (or a note that
+the step was off); recaption statistics with examples; thumbnails of the first samples with
+caption and task; per-stage timings; the config. Charts are PNGs and thumbnails JPEGs,
+embedded as data URLs (report_plots.py draws them): the file needs nothing beside it.
 """
 
 from __future__ import annotations
@@ -12,15 +14,19 @@ import base64
 import html
 import io
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError
+from pairforge.records import STATUS_HELP, Status
+from pairforge.shards import report_plots as plots
 from pairforge.shards.duplicates import summary_lines
-from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
+from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, SHARDS_FOLDER, OutputDir
 
 MANIFEST = "manifest.json"
 
@@ -49,123 +55,238 @@ def _rows(out: OutputDir, manifest: dict[str, Any]) -> pa.Table:
     return pa.concat_tables(tables, promote_options="permissive")
 
 
-def _png(fig: Any) -> str:
-    import matplotlib.pyplot as plt
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
-    plt.close(fig)
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+def _section(anchor: str, title: str, *parts: str) -> str:
+    return f'<section id="{anchor}"><h2>{html.escape(title)}</h2>{"".join(parts)}</section>'
 
 
-def _funnel(plt: Any, manifest: dict[str, Any]) -> str:
-    final = sorted(manifest["funnel"]["final"].items(), key=lambda kv: -kv[1])
-    fig, ax = plt.subplots(figsize=(7, 0.35 * len(final) + 1))
-    ax.barh([k for k, _ in final][::-1], [v for _, v in final][::-1], color="#4c72b0")
-    ax.set_xlabel("rows")
-    ax.set_title(f"funnel: {manifest['funnel']['input_rows']:,} input rows, final status")
-    return _png(fig)
+def _table(head: list[str], rows: list[list[Any]], numeric: Sequence[int] = (1,)) -> str:
+    """An HTML table; cells are escaped, the ``numeric`` columns right-aligned."""
+    def cell(tag: str, i: int, value: Any) -> str:
+        align = ' class="n"' if i in numeric else ""
+        text = f"{value:,}" if isinstance(value, int) else str(value)
+        return f"<{tag}{align}>{html.escape(text)}</{tag}>"
+
+    header = "".join(cell("th", i, h) for i, h in enumerate(head))
+    body = "".join("<tr>" + "".join(cell("td", i, v) for i, v in enumerate(row)) + "</tr>"
+                   for row in rows)
+    return f"<table><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _clip(plt: Any, rows: pa.Table, manifest: dict[str, Any]) -> str | None:
-    if "clip_score" not in rows.column_names:
-        return None
-    scores = rows["clip_score"].drop_null().to_numpy()
-    if not len(scores):
-        return None
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.hist(scores, bins=40, color="#55a868")
-    threshold = manifest["models"].get("clip_threshold")
-    if threshold is not None:
-        ax.axvline(threshold, color="#c44e52", label=f"threshold {threshold:.3f}")
-        ax.legend()
-    ax.set_xlabel("clip_score (cosine similarity, original caption)")
-    ax.set_title("CLIP score distribution")
-    return _png(fig)
+def _img(src: str, alt: str) -> str:
+    return f'<p><img src="{src}" alt="{html.escape(alt)}"></p>'
 
 
-def _classifier_scores(plt: Any, rows: pa.Table, manifest: dict[str, Any]) -> list[str]:
-    """One histogram per classifier score over the rows it scored, with its bound."""
-    plots = []
-    for entry in manifest.get("classifiers") or []:
-        column = entry["score"]
-        if column not in rows.column_names:
-            continue
-        scores = rows[column].drop_null().to_numpy()
-        if not len(scores):
-            continue
-        fig, ax = plt.subplots(figsize=(7, 3))
-        ax.hist(scores, bins=40, color="#64b5cd")
-        for bound, side in (("drop_above", "dropped above"), ("drop_below", "dropped below")):
-            if entry.get(bound) is not None:
-                ax.axvline(entry[bound], color="#c44e52",
-                           label=f"{side} {entry[bound]:g} ({entry['status']})")
-                ax.legend()
-        ax.set_xlabel(f"{column} ({entry['backend']} {entry['model']}"
-                      + (f", label {entry['label']}" if entry.get("label") else "") + ")")
-        ax.set_title(f"classifier {entry['name']}: {entry['rows_dropped']:,} of "
-                     f"{entry['rows_scored']:,} scored rows dropped")
-        plots.append(_png(fig))
-    return plots
+def _note(text: str) -> str:
+    return f'<p class="note">{html.escape(text)}</p>'
 
 
-def _prefix_share(plt: Any, rows: pa.Table, manifest: dict[str, Any]) -> str | None:
+def _values(rows: pa.Table, column: str) -> np.ndarray:
+    if column not in rows.column_names:
+        return np.asarray([])
+    return rows[column].drop_null().to_numpy(zero_copy_only=False).astype(float)
+
+
+def _histogram_or_number(values: np.ndarray, what: str, xlabel: str, title: str,
+                         bounds: Sequence[tuple[float, str]] = ()) -> str:
+    """A histogram, or one sentence when there is nothing to spread (none, or one value)."""
+    if not len(values):
+        return _note(f"no {what}")
+    if plots.degenerate(values):
+        return _note(f"every one of the {len(values):,} {what} is {values[0]:g}")
+    return _img(plots.histogram(values, xlabel, title, bounds), title)
+
+
+def _summary(path: str, out: OutputDir, manifest: dict[str, Any]) -> str:
+    budget = manifest["budget"]
+    lines = [f"{manifest['totals']['samples']:,} training samples from "
+             f"{manifest['funnel']['input_rows']:,} input rows in {len(manifest['shards'])} "
+             f"shards; p_drop {budget['p_drop']}, realized unconditional image-token share "
+             f"{budget['realized_unconditional_share'] or 0:.4f} (largest prefix deviation "
+             f"{budget['max_prefix_deviation_tokens'] or 0:.0f} tokens)",
+             *summary_lines(out, manifest["funnel"]["final"])]
+    if manifest.get("created"):
+        lines.append(f"manifest written {manifest['created']}")
+    if manifest.get("log"):
+        lines.append(f"log of the run: {manifest['log']} (in the dataset folder)")
+    return "".join(f"<p>{html.escape(line)}</p>" for line in lines)
+
+
+def _funnel(manifest: dict[str, Any]) -> str:
+    final, total = manifest["funnel"]["final"], manifest["funnel"]["input_rows"]
+    ordered = sorted(final.items(), key=lambda kv: (kv[0] != Status.OK, -kv[1], kv[0]))
+    rows = [[k, v, f"{v / max(total, 1):.1%}", STATUS_HELP.get(k, "")] for k, v in ordered]
+    rows.append(["total", sum(final.values()), "", ""])
+    table = _table(["status", "rows", "share", "meaning"], rows, numeric=(1, 2))
+    chart = _img(plots.funnel_chart(final, total), "funnel chart") if final else ""
+    return _section("funnel", "Funnel: the final status of every input row", table, chart)
+
+
+def _budget(rows: pa.Table, manifest: dict[str, Any]) -> str:
+    tasks = manifest["totals"]["tasks"]
+    if not tasks:
+        return _section("budget", "Token budget per task",
+                        _note("no tasks: the tokenize step was off (process.tokenize.enabled: "
+                              "false), so samples carry no image tokens"))
+    image_total = sum(t["image_tokens"] for t in tasks.values()) or 1
+    table = _table(["task", "samples", "image tokens", "share of image tokens",
+                    "caption tokens", "sequence tokens"],
+                   [[task, t["samples"], t["image_tokens"],
+                     f"{t['image_tokens'] / image_total:.2%}", t["caption_tokens"],
+                     t["sequence_tokens"]] for task, t in tasks.items()], numeric=range(1, 6))
+    return _section("budget", "Token budget per task", table, _prefix_share(rows, manifest),
+                    _tokens(rows))
+
+
+def _prefix_share(rows: pa.Table, manifest: dict[str, Any]) -> str:
     if "task" not in rows.column_names:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 3))
-    target = manifest["budget"]["p_drop"]
-    table = rows.filter(pa.compute.is_valid(rows["task"]))
-    keys = np.asarray(table["key"].to_pylist())
+        return ""
+    table = rows.filter(pc.is_valid(rows["task"]))
+    keys = table["key"].to_pylist()
     shards = np.asarray([k[:5] for k in keys])
     tokens = np.asarray(table["n_image_tokens"].to_pylist(), dtype=float)
     uncond = np.isin(np.asarray(table["task"].to_pylist()), ["i2t", "img"])
-    for shard in sorted(set(shards.tolist()))[:20]:
+    names = sorted(set(shards.tolist()))
+    shares = {}
+    for shard in names[:plots.MAX_SHARD_LINES]:
         mask = shards == shard
-        share = np.cumsum(tokens[mask] * uncond[mask]) / np.cumsum(tokens[mask])
-        ax.plot(np.arange(1, mask.sum() + 1), share, linewidth=0.8, alpha=0.7)
-    ax.axhline(target, color="black", linestyle="--", label=f"target p_drop {target}")
-    ax.set_xlabel("samples into the shard")
-    ax.set_ylabel("i2t + img share of image tokens")
-    ax.set_title("budget along each shard's prefix (first 20 shards)")
-    ax.legend()
-    return _png(fig)
+        shares[shard] = np.cumsum(tokens[mask] * uncond[mask]) / np.cumsum(tokens[mask])
+    chart = plots.prefix_share_chart(shares, manifest["budget"]["p_drop"], len(names))
+    return _img(chart, "i2t share along each shard")
 
 
-def _tokens(plt: Any, rows: pa.Table) -> str | None:
-    if "n_image_tokens" not in rows.column_names:
-        return None
-    image = rows["n_image_tokens"].drop_null().to_numpy()
-    caption = rows["n_caption_tokens"].drop_null().to_numpy()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3))
-    left.hist(image, bins=30, color="#8172b2")
-    left.set_title("image tokens per image")
-    right.hist(caption, bins=30, color="#937860")
-    right.set_title("tokens per caption")
-    return _png(fig)
+def _tokens(rows: pa.Table) -> str:
+    return (_histogram_or_number(_values(rows, "n_image_tokens"), "images' token counts",
+                                 "image tokens per image", "image tokens per image")
+            + _histogram_or_number(_values(rows, "n_caption_tokens"), "captions' token counts",
+                                   "tokens per training caption", "tokens per caption"))
+
+
+def _scores(rows: pa.Table, manifest: dict[str, Any]) -> str:
+    clip_cfg = manifest["config"]["process"]["clip"]
+    if not clip_cfg.get("enabled"):
+        clip = _note("CLIP was off (process.clip.enabled: false): no clip_score")
+    else:
+        threshold = manifest["models"].get("clip_threshold")
+        bounds = [(threshold, f"kept at or above {threshold:.3f}")] if (
+            threshold is not None and clip_cfg.get("mode") != "score_only") else []
+        clip = _histogram_or_number(
+            _values(rows, "clip_score"), "CLIP scores",
+            "clip_score: cosine of image and original caption",
+            f"CLIP scores ({manifest['models'].get('clip')})", bounds)
+    parts = [clip]
+    for entry in manifest.get("classifiers") or []:
+        bounds = [(entry[k], f"{side} {entry[k]:g} -> {entry['status']}")
+                  for k, side in (("drop_above", "dropped above"), ("drop_below",
+                                                                    "dropped below"))
+                  if entry.get(k) is not None]
+        title = (f"classifier {entry['name']}: {entry['rows_dropped']:,} of "
+                 f"{entry['rows_scored']:,} scored rows dropped")
+        parts.append(_histogram_or_number(
+            _values(rows, entry["score"]), f"{entry['name']} scores",
+            f"{entry['score']} ({entry['backend']} {entry['model']})", title, bounds))
+    if not manifest.get("classifiers"):
+        parts.append(_note("no image classifiers configured (process.classifiers: [])"))
+    return _section("scores", "Scores and their thresholds", *parts)
+
+
+def _recaption(rows: pa.Table, manifest: dict[str, Any]) -> str:
+    stats = manifest.get("recaption")
+    if not stats:
+        return _section("recaption", "Recaptioning",
+                        _note("recaptioning was off (process.recaption.enabled: false): "
+                              "training captions are the original alt-text"))
+    counts = [["rows recaptioned", stats["rows"]], ["abstained (no caption trusted)",
+                                                    stats["abstained"]],
+              ["rows with attributes removed", stats["rows_with_attributes_removed"]],
+              ["regenerated", stats["regenerated"]]]
+    counts += [[f"origin: {k}", v] for k, v in stats.get("origin", {}).items()]
+    counts += [[f"training caption: {k}", v] for k, v in stats.get("caption_source", {}).items()]
+    counts += [[f"check: {k}", v] for k, v in stats.get("flags", {}).items()]
+    examples = []
+    if "recaption" in rows.column_names:
+        done = rows.filter(pc.is_valid(rows["recaption"])).slice(0, 6).to_pylist()
+        examples = [[r["key"], r.get("caption") or "", r["recaption"],
+                     ", ".join(r.get("recaption_flags") or []) or "-"] for r in done]
+    model = manifest["models"].get("recaption")
+    return _section("recaption", "Recaptioning" + (f" ({model})" if model else ""),
+                    _table(["", "rows"], counts),
+                    "<h3>examples</h3>" + _table(["key", "original caption", "recaption",
+                                                  "checks"], examples, numeric=())
+                    if examples else "")
+
+
+def _thumbnails(out: OutputDir, n: int = 12) -> str:
+    from pairforge.shards.show import _image, select_samples
+
+    tiles = []
+    for sample in select_samples(out, None, None, n):
+        image = _image(sample)
+        image.thumbnail((128, 128))
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=85)
+        src = "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+        task = sample["json"].get("task") or "-"
+        tiles.append(f'<figure><img src="{src}" alt="{sample["__key__"]}"><figcaption>'
+                     f'<b>{html.escape(task)}</b> {html.escape(sample["__key__"])}<br>'
+                     f'{html.escape(sample["txt"])}</figcaption></figure>')
+    body = f'<div class="grid">{"".join(tiles)}</div>' if tiles else _note("no samples")
+    return _section("samples", f"The first {len(tiles)} samples", body)
+
+
+def _timings(out: OutputDir, manifest: dict[str, Any]) -> str:
+    rows: list[list[Any]] = []
+    raw = [out.read_json(RAW_FOLDER, n.rsplit("/", 1)[-1])
+           for n in out.glob(f"{RAW_FOLDER}/*_stats.json")]
+    seconds = sum(s.get("duration_s") or 0 for s in raw)
+    count = sum(s.get("count", 0) for s in raw)
+    if raw:
+        rows.append(["download", "shard tasks", count, f"{seconds:.1f}",
+                     f"{count / seconds:,.1f}" if seconds else "-"])
+    if out.exists(DEDUP_FOLDER, "dedup_stats.json"):
+        dedup = out.read_json(DEDUP_FOLDER, "dedup_stats.json")
+        total = (dedup.get("seconds") or {}).get("total")
+        if total is not None:
+            rows.append(["dedup", "read + join", dedup.get("rows_in", 0), f"{total:.1f}",
+                         f"{dedup.get('rows_in', 0) / total:,.1f}" if total else "-"])
+    for name, step in (manifest.get("steps") or {}).items():
+        rate = f"{step['rows_in'] / step['seconds']:,.1f}" if step["seconds"] else "-"
+        rows.append(["process", name, step["rows_in"], f"{step['seconds']:.1f}", rate])
+    note = _note("seconds are summed over the tasks or actors that did the work (several run "
+                 "at once), so a rate is per worker, not for the whole machine")
+    return _section("timings", "Timings", _table(["stage", "part", "rows", "seconds",
+                                                  "rows/s"], rows, numeric=(2, 3, 4)), note)
+
+
+def _config(manifest: dict[str, Any]) -> str:
+    import yaml
+
+    text = yaml.safe_dump(manifest["config"], sort_keys=False)
+    return _section("config", "Config of the build",
+                    f"<details open><summary>YAML</summary><pre>{html.escape(text)}</pre>"
+                    "</details>")
+
+
+STYLE = """body{font-family:sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;
+color:#222}table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;
+padding:.2em .5em;vertical-align:top}th{background:#f3f3f3}.n{text-align:right}
+.note{color:#555;font-style:italic}.grid{display:flex;flex-wrap:wrap;gap:8px}
+figure{width:140px;margin:0;font-size:11px}figure img{display:block}
+pre{background:#f7f7f7;padding:.5em;font-size:12px;overflow:auto}nav a{margin-right:1em}"""
+SECTIONS = [("funnel", "funnel"), ("budget", "token budget"), ("scores", "scores"),
+            ("recaption", "recaptioning"), ("samples", "samples"), ("timings", "timings"),
+            ("config", "config")]
 
 
 def render_report(path: str, storage_options: dict | None = None) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out, manifest = open_dataset(path, storage_options)
     rows = _rows(out, manifest)
-    plots = [p for p in (_funnel(plt, manifest), _clip(plt, rows, manifest),
-                         *_classifier_scores(plt, rows, manifest),
-                         _prefix_share(plt, rows, manifest), _tokens(plt, rows)) if p]
-    budget = manifest["budget"]
-    summary = (f"{manifest['totals']['samples']:,} samples from "
-               f"{manifest['funnel']['input_rows']:,} input rows in {len(manifest['shards'])} "
-               f"shards; p_drop {budget['p_drop']}, realized unconditional share "
-               f"{budget['realized_unconditional_share'] or 0:.4f}")
-    summary += "; " + "; ".join(summary_lines(out, manifest["funnel"]["final"]))
-    images = "\n".join(f'<p><img src="{p}"></p>' for p in plots)
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>pairforge report"
-            f"</title></head><body style='font-family:sans-serif'>"
-            f"<h1>pairforge report: {html.escape(path)}</h1><p>{html.escape(summary)}</p>"
-            f"{images}</body></html>")
+    nav = "<nav>" + "".join(f'<a href="#{a}">{t}</a>' for a, t in SECTIONS) + "</nav>"
+    body = [_summary(path, out, manifest), nav, _funnel(manifest), _budget(rows, manifest),
+            _scores(rows, manifest), _recaption(rows, manifest), _thumbnails(out),
+            _timings(out, manifest), _config(manifest)]
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>pairforge report: "
+            f"{html.escape(path)}</title><style>{STYLE}</style></head><body>"
+            f"<h1>pairforge report: {html.escape(path)}</h1>{''.join(body)}</body></html>")
 
 
 def write_report(path: str, output: str, storage_options: dict | None = None) -> None:
