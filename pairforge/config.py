@@ -233,6 +233,10 @@ class RecaptionCacheConfig(Strict):
     phash_distance: int = Field(
         0, ge=0, le=4, description="also reuse the caption of an image within this perceptual-"
         "hash distance (0: exact pixels only); never for images whose caption mentions text")
+    embedding_threshold: float | None = Field(
+        None, gt=0, le=1, description="also reuse the caption of the cached image whose CLIP "
+        "image embedding (the clip section's model) has at least this cosine with the new "
+        "image's (null: off); same exclusions as phash_distance")
 
 
 class GroundingConfig(Strict):

@@ -115,6 +115,7 @@ PROCESS_COLUMNS: dict[str, pa.DataType] = {
     "recaption": pa.string(),
     "recaption_flags": pa.list_(pa.string()),
     "recaption_origin": pa.string(),  # model, build (another row's) or cache
+    "recaption_embedding": pa.list_(pa.float32()),  # the cache's embedding tier, not written
     "caption_source": pa.string(),  # recaption or original: which caption trains
     "train_caption": pa.string(),  # the one training caption (recaption/choice.py)
     "image_tokens": pa.list_(pa.int32()),
@@ -126,7 +127,7 @@ PROCESS_COLUMNS: dict[str, pa.DataType] = {
     "vocab_layout": pa.string(),  # the tokenize step's layout (json), into the shard stats
 }
 # Step outputs written to their own per-shard files rather than the parquet.
-PER_SHARD_FILES = {"clip_embedding"}
+PER_SHARD_FILES = {"clip_embedding", "recaption_embedding"}
 # Step outputs that describe the whole shard: the writer moves them into its stats file.
 PER_SHARD_STATS = {"vocab_layout": "vocab"}
 # What the steps see of a raw row (plus its image); the writer has the rest.

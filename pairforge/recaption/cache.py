@@ -9,7 +9,12 @@ always cached and a crash costs at most the captions of unfinished shards.
 
 Lookup is by exact pixel hash; with ``phash_distance > 0`` also by perceptual hash within
 that Hamming distance (pigeonhole bands), but only for captions that are not abstentions
-and do not mention text: a near-identical photo of a sign may read differently.
+and do not mention text: a near-identical photo of a sign may read differently. The third
+tier, with ``embedding_threshold`` set, reuses the caption of the cached image whose
+normalised CLIP image embedding (the vectors grounding and the clip step use) has the
+highest cosine with the new image's, when it reaches the threshold; the same exclusions
+apply. It saves the captioner's prefill and decode for a re-shot of the same scene that
+no hash catches; the embedding is stored beside the caption.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -32,7 +38,8 @@ from pairforge.shards.storage import OutputDir
 
 CACHE_FOLDER = "recaption_cache"
 CACHE_SCHEMA = pa.schema([("pixel_hash", pa.string()), ("phash", pa.uint64()),
-                          ("recaption", pa.string()), ("flags", pa.list_(pa.string()))])
+                          ("recaption", pa.string()), ("flags", pa.list_(pa.string())),
+                          ("embedding", pa.list_(pa.float32()))])
 _TEXT_WORDS = re.compile(
     r"\b(text|texts|word|words|writing|written|letter|letters|lettering|sign|signs|signage|"
     r"label|labels|logo|logos|poster|posters|banner|banners|menu|menus|book|books|newspaper|"
@@ -64,13 +71,17 @@ def cache_identity(cfg: PairforgeConfig) -> dict[str, Any]:
     identity = {"backend": rc.backend, "model": rc.model, "revision": rc.revision,
                 "prompt": rc.prompt or DEFAULT_PROMPT, "prompt_mode": rc.prompt_mode,
                 "max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature,
+                "constrained": rc.constrained_decoding,
+                "logit_bias": rc.openai.logit_bias_tokenizer if rc.backend == "openai" else None,
                 "model_config": (hashlib.sha256(config_file.read_bytes()).hexdigest()[:16]
                                  if config_file.is_file() else None),
                 "lexicons": _folder_digest(lexicons)}
+    clip = cfg.process.clip
     if rc.grounding.enabled:
-        clip = cfg.process.clip
         identity["grounding"] = {"min_score": rc.grounding.min_score,
                                  "clip": f"{clip.model}/{clip.pretrained}"}
+    if rc.cache.embedding_threshold is not None:  # stored vectors are this model's
+        identity["embedding"] = f"{clip.model}/{clip.pretrained}"
     return identity
 
 
@@ -116,38 +127,69 @@ def _bands(phash: int, distance: int) -> list[tuple[int, int]]:
 class CaptionCache:
     """Lookups in the cached captions of one identity (read once per actor)."""
 
-    def __init__(self, phash_distance: int = 0) -> None:
+    def __init__(self, phash_distance: int = 0,
+                 embedding_threshold: float | None = None) -> None:
         self.phash_distance = phash_distance
+        self.embedding_threshold = embedding_threshold
         self.exact: dict[str, CachedCaption] = {}
         self.near: dict[tuple[int, int], list[tuple[int, CachedCaption]]] = {}
+        self.vectors: list[np.ndarray] = []
+        self.vector_entries: list[CachedCaption] = []
+        self._matrix: np.ndarray | None = None  # the stacked vectors, rebuilt after an add
 
     @classmethod
-    def load(cls, folder: OutputDir, phash_distance: int = 0) -> CaptionCache:
-        cache = cls(phash_distance)
+    def load(cls, folder: OutputDir, phash_distance: int = 0,
+             embedding_threshold: float | None = None) -> CaptionCache:
+        cache = cls(phash_distance, embedding_threshold)
         for name in sorted(folder.glob("*.parquet")):
             with folder.fs.open(folder.path(name), "rb") as f:
-                table = pq.read_table(f, schema=CACHE_SCHEMA)
+                table = pq.read_table(f)
+            if "embedding" not in table.column_names:  # a part written before the tier
+                table = table.append_column("embedding", pa.nulls(table.num_rows))
             for row in table.to_pylist():
                 cache.add(row["pixel_hash"], row["phash"],
-                          CachedCaption(row["recaption"], tuple(row["flags"] or ())))
+                          CachedCaption(row["recaption"], tuple(row["flags"] or ())),
+                          row["embedding"])
         return cache
 
-    def add(self, pixel_hash: str, phash: int | None, entry: CachedCaption) -> None:
+    def add(self, pixel_hash: str, phash: int | None, entry: CachedCaption,
+            embedding: Any = None) -> None:
         self.exact[pixel_hash] = entry
         if self.phash_distance and phash is not None and entry.phash_reusable:
             for band in _bands(phash, self.phash_distance):
                 self.near.setdefault(band, []).append((phash, entry))
+        if self.embedding_threshold is not None and embedding is not None \
+                and entry.phash_reusable:
+            self.vectors.append(np.asarray(embedding, dtype=np.float32))
+            self.vector_entries.append(entry)
+            self._matrix = None
 
-    def lookup(self, pixel_hash: str, phash: int | None) -> tuple[CachedCaption, str] | None:
-        """(entry, "cache") on an exact hit, (entry, "cache_phash") on a near one, or None."""
+    def lookup(self, pixel_hash: str, phash: int | None,
+               embedding: Any = None) -> tuple[CachedCaption, str] | None:
+        """(entry, tier) for the first tier that answers -- "cache" (exact pixels),
+        "cache_phash", "cache_embedding" -- or None."""
         if pixel_hash in self.exact:
             return self.exact[pixel_hash], "cache"
-        if not self.phash_distance or phash is None:
+        if self.phash_distance and phash is not None:
+            for band in _bands(phash, self.phash_distance):
+                for other, entry in self.near.get(band, ()):
+                    if (other ^ phash).bit_count() <= self.phash_distance:
+                        return entry, "cache_phash"
+        return self._nearest(embedding)
+
+    @property
+    def wants_embeddings(self) -> bool:
+        return self.embedding_threshold is not None and bool(self.vectors)
+
+    def _nearest(self, embedding: Any) -> tuple[CachedCaption, str] | None:
+        if embedding is None or not self.wants_embeddings:
             return None
-        for band in _bands(phash, self.phash_distance):
-            for other, entry in self.near.get(band, ()):
-                if (other ^ phash).bit_count() <= self.phash_distance:
-                    return entry, "cache_phash"
+        if self._matrix is None:
+            self._matrix = np.stack(self.vectors)
+        cosines = self._matrix @ np.asarray(embedding, dtype=np.float32)
+        best = int(np.argmax(cosines))
+        if cosines[best] >= self.embedding_threshold:
+            return self.vector_entries[best], "cache_embedding"
         return None
 
 
@@ -160,7 +202,7 @@ def write_part(cfg: PairforgeConfig, shard_id: int, rows: list[dict[str, Any]]) 
     folder.makedirs()
     table = pa.Table.from_pylist([{
         "pixel_hash": r["pixel_hash"], "phash": r["phash"], "recaption": r["recaption"],
-        "flags": r["recaption_flags"] or [],
+        "flags": r["recaption_flags"] or [], "embedding": r.get("recaption_embedding"),
     } for r in made], schema=CACHE_SCHEMA)
     with folder.open_atomic("", f"{build_id(cfg)}-{shard_name(shard_id)}.parquet") as f:
         pq.write_table(table, f)

@@ -1,6 +1,7 @@
 """The recaption step of stage 3: a VLM caption per image, made safe, cached by image.
 
-For each ok row: the cache (pixel hash, optionally perceptual hash) answers first; else
+For each ok row: the cache (pixel hash, optionally perceptual hash and CLIP image
+embedding) answers first; else
 the row's image is claimed in the build's claim registry, and only the claimant runs the
 model, so duplicates within a build are captioned once. A generated caption is cleaned
 (one sentence, no boilerplate), passed through the people-attribute filter and the
@@ -85,7 +86,8 @@ def recaption_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
 class RecaptionStep(ModelStep):
     name = "recaption"
     requires = ("image", "caption", "pixel_hash", "phash")
-    provides = process_columns("recaption", "recaption_flags", "recaption_origin")
+    provides = process_columns("recaption", "recaption_flags", "recaption_origin",
+                               "recaption_embedding")
 
     @classmethod
     def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
@@ -100,8 +102,10 @@ class RecaptionStep(ModelStep):
         self.device = model_device(rc)
         self.prompt = rc.prompt or DEFAULT_PROMPT
         self.lexicon = load_lexicon(rc.attribute_lexicons)
-        self.cache = (CaptionCache.load(cache_dir(cfg), rc.cache.phash_distance)
+        self.cache = (CaptionCache.load(cache_dir(cfg), rc.cache.phash_distance,
+                                        rc.cache.embedding_threshold)
                       if rc.cache.enabled else CaptionCache())
+        self.embed_tier = rc.cache.enabled and rc.cache.embedding_threshold is not None
         self.registry = find_registry(registry_name(cfg))
 
     @classmethod
@@ -123,6 +127,8 @@ class RecaptionStep(ModelStep):
         are always in the cache) and count what the checks did."""
         if cfg.process.recaption.cache.enabled:
             write_part(cfg, shard_id, rows)
+        for row in rows:  # the embedding is the cache's, not the dataset's
+            row.pop("recaption_embedding", None)
         return recaption_stats(rows)
 
     # The models load on first use: a build whose captions all come from the cache loads none.
@@ -136,12 +142,17 @@ class RecaptionStep(ModelStep):
         return load_captioner(rc, self.device, blocked)
 
     @functools.cached_property
+    def clip(self) -> ClipScorer:
+        """The clip section's model: grounding's scorer and the cache's embedding tier."""
+        return ClipScorer(self.cfg.process.clip, self.device)
+
+    @functools.cached_property
     def grounding(self) -> GroundingChecker | None:
         rc = self.cfg.process.recaption
         if not rc.grounding.enabled:
             return None
-        return GroundingChecker(ClipScorer(self.cfg.process.clip, self.device),
-                                NounLexicon(rc.grounding.extra_nouns), rc.grounding.min_score)
+        return GroundingChecker(self.clip, NounLexicon(rc.grounding.extra_nouns),
+                                rc.grounding.min_score)
 
     # -- captioning with the safety checks --------------------------------------------------
 
@@ -165,11 +176,13 @@ class RecaptionStep(ModelStep):
         return [self._check(text, embedding) for text, embedding in zip(
             self.captioner.generate(images, prompt), embeddings, strict=True)]
 
-    def caption_images(self, images: list[Image.Image]) -> list[CachedCaption]:
-        """Caption, check, regenerate the failures once with the strict prompt, or abstain."""
-        embeddings: list[Any] = [None] * len(images)
-        if self.grounding is not None:
-            embeddings = list(self.grounding.scorer.embed_images(images))
+    def caption_images(self, images: list[Image.Image],
+                       embeddings: list[Any] | None = None) -> list[CachedCaption]:
+        """Caption, check, regenerate the failures once with the strict prompt, or abstain;
+        ``embeddings``: the images' CLIP embeddings when the caller has them."""
+        if self.grounding is not None and embeddings is None:
+            embeddings = list(self.clip.embed_images(images))
+        embeddings = embeddings if self.grounding is not None else [None] * len(images)
         first = self._attempt(images, embeddings, self.prompt)
         retry = [i for i, (_, _, problems) in enumerate(first) if problems]
         second = dict(zip(retry, self._attempt([images[i] for i in retry],
@@ -194,11 +207,29 @@ class RecaptionStep(ModelStep):
             self.registry = None
             return None
 
-    def _generate_for(self, rows: pa.Table, indices: list[int]) -> dict[int, CachedCaption]:
+    def _generate_for(self, rows: pa.Table, indices: list[int],
+                      vectors: dict[int, Any]) -> dict[int, CachedCaption]:
         if not indices:
             return {}
         images = [decode_rgb(b) for b in rows["image"].take(indices).to_pylist()]
-        return dict(zip(indices, self.caption_images(images), strict=True))
+        known = [vectors.get(i) for i in indices]
+        given = known if all(v is not None for v in known) else None
+        return dict(zip(indices, self.caption_images(images, given), strict=True))
+
+    def _embed(self, rows: pa.Table, indices: list[int]) -> dict[int, Any]:
+        """CLIP image embeddings for the embedding tier: the clip step's where it kept
+        them, else encoded here with the same model."""
+        if not self.embed_tier or not indices:
+            return {}
+        kept = (rows["clip_embedding"].to_pylist() if "clip_embedding" in rows.column_names
+                else [None] * rows.num_rows)
+        vectors = {i: np.asarray(kept[i], dtype=np.float32) for i in indices
+                   if kept[i] is not None}
+        missing = [i for i in indices if i not in vectors]
+        if missing:
+            images = [decode_rgb(b) for b in rows["image"].take(missing).to_pylist()]
+            vectors.update(zip(missing, self.clip.embed_images(images), strict=True))
+        return vectors
 
     def process(self, rows: pa.Table) -> StepResult:
         keys = rows["key"].to_pylist()
@@ -207,6 +238,11 @@ class RecaptionStep(ModelStep):
         found: dict[int, tuple[CachedCaption, str]] = {}
         for i, (h, p) in enumerate(zip(hashes, phashes, strict=True)):
             hit = self.cache.lookup(h, p)
+            if hit:
+                found[i] = hit
+        vectors = self._embed(rows, [i for i in range(rows.num_rows) if i not in found])
+        for i, vector in vectors.items():
+            hit = self.cache.lookup(hashes[i], None, vector)
             if hit:
                 found[i] = hit
         todo = [i for i in range(rows.num_rows) if i not in found]
@@ -218,16 +254,19 @@ class RecaptionStep(ModelStep):
             if leaders[i] == keys[i] and hashes[i] not in first_of:
                 first_of[hashes[i]] = i
                 mine.append(i)
-        made = self._generate_for(rows, mine)
+        made = self._generate_for(rows, mine, vectors)
         found.update((i, (entry, "model")) for i, entry in made.items())
         if made and self.registry is not None:
             self._call(self.registry.publish, {hashes[i]: e for i, e in made.items()})
-        self._resolve_followers(rows, [i for i in todo if i not in made], found, first_of)
-        return self._columns([found[i] for i in range(rows.num_rows)])
+        self._resolve_followers(rows, [i for i in todo if i not in made], found, first_of,
+                                vectors)
+        made_vectors = [vectors.get(i) if found[i][1] == "model" else None
+                        for i in range(rows.num_rows)]
+        return self._columns([found[i] for i in range(rows.num_rows)], made_vectors)
 
     def _resolve_followers(self, rows: pa.Table, followers: list[int],
                            found: dict[int, tuple[CachedCaption, str]],
-                           first_of: dict[str, int]) -> None:
+                           first_of: dict[str, int], vectors: dict[int, Any]) -> None:
         """Rows whose image another row captions: copy, or wait for the other actor."""
         hashes = rows["pixel_hash"].to_pylist()
         remote = sorted({hashes[i] for i in followers if hashes[i] not in first_of})
@@ -242,12 +281,15 @@ class RecaptionStep(ModelStep):
                 found[i] = (published[h], "build")
             else:
                 orphans.append(i)
-        found.update((i, (e, "model")) for i, e in self._generate_for(rows, orphans).items())
+        found.update((i, (e, "model"))
+                     for i, e in self._generate_for(rows, orphans, vectors).items())
 
     @staticmethod
-    def _columns(results: list[tuple[CachedCaption, str]]) -> StepResult:
+    def _columns(results: list[tuple[CachedCaption, str]], vectors: list[Any]) -> StepResult:
         return StepResult(columns={
             "recaption": [e.recaption for e, _ in results],
             "recaption_flags": [list(e.flags) for e, _ in results],
             "recaption_origin": [origin for _, origin in results],
+            "recaption_embedding": [None if v is None else np.asarray(v).tolist()
+                                    for v in vectors],
         })
