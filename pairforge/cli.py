@@ -265,6 +265,32 @@ def verify(path: PathArg, json_: JsonOpt = False) -> None:
         raise typer.Exit(1)
 
 
+@app.command()
+def cost(path: PathArg,
+         price: Annotated[float | None, typer.Option(
+             "--price-per-second", help="dollars per device-second [default: the build's "
+             "cost.price_per_device_second]")] = None,
+         images: Annotated[int | None, typer.Option(
+             help="images in the projected backfill [default: cost.backfill_images]")] = None,
+         per_day: Annotated[int | None, typer.Option(
+             help="images per day on demand [default: cost.images_per_day]")] = None,
+         seconds_per_image: Annotated[float | None, typer.Option(
+             help="device-seconds per generated caption measured elsewhere (e.g. a GPU run) "
+             "instead of this build's")] = None,
+         json_: JsonOpt = False) -> None:
+    """What captioning this build cost per image, and a backfill and a daily rate would."""
+    from pairforge.shards.cost import from_manifest, lines
+    from pairforge.shards.report import open_dataset
+
+    _, manifest = _run_guarded(open_dataset, path)
+    figures = from_manifest(manifest, price, images, per_day, seconds_per_image)
+    if json_:
+        typer.echo(json.dumps(figures, indent=1))
+        return
+    for line in lines(figures):
+        _data_console().print(escape(line), soft_wrap=True)
+
+
 @app.command("eval")
 def eval_run(
     run: Annotated[str, typer.Argument(help="training run folder (or its checkpoint.pt)")],

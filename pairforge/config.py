@@ -377,6 +377,17 @@ class ProcessConfig(Strict):
         return "recaption" if self.recaption.enabled else "original"
 
 
+class CostConfig(Strict):
+    """Prices for ``pairforge cost`` (pairforge/shards/cost.py): the design's figures."""
+
+    price_per_device_second: float = Field(
+        0.00069, gt=0, description="dollars per second of the device the model steps run on "
+        "(0.00069: one GPU-second at $2.48 an hour)")
+    backfill_images: int = Field(500_000_000, ge=0, description="images of the projected "
+                                 "backfill")
+    images_per_day: int = Field(1_000_000, ge=0, description="the projected on-demand rate")
+
+
 class PairforgeConfig(Strict):
     input: InputConfig
     output: OutputConfig = Field(default_factory=OutputConfig)
@@ -384,6 +395,7 @@ class PairforgeConfig(Strict):
     download: DownloadConfig = Field(default_factory=DownloadConfig)
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     process: ProcessConfig = Field(default_factory=ProcessConfig)
+    cost: CostConfig = Field(default_factory=CostConfig)
 
     @model_validator(mode="after")
     def _semantic_needs_clip(self) -> PairforgeConfig:

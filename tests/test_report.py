@@ -98,7 +98,8 @@ def test_the_page_renders_in_headless_chromium(dataset, tmp_path):
     headings = re.findall(r"<h2>([^<]+)</h2>", dom)
     assert headings == ["Funnel: the final status of every input row", "Token budget per task",
                         "Scores and their thresholds", "Recaptioning",
-                        "The first 2 samples", "Timings", "Config of the build"]
+                        "The first 2 samples", "Timings", "Cost (pairforge cost)",
+                        "Config of the build"]
     assert len(re.findall(r'<img src="data:image/(?:png|jpeg);base64,', dom)) == 6
     shot = tmp_path / "shot.png"
     subprocess.run([*browser, "--window-size=1100,4000", f"--screenshot={shot}",

@@ -9,6 +9,8 @@ from rich.table import Table
 from rich.text import Text
 
 from pairforge.records import STATUS_HELP, Status
+from pairforge.shards.cost import from_manifest
+from pairforge.shards.cost import lines as cost_lines
 from pairforge.shards.duplicates import summary_lines
 from pairforge.shards.storage import OutputDir
 
@@ -80,6 +82,8 @@ def _models(manifest: dict[str, Any]) -> Text:
                      f"rows ({origin}); abstained {recaption['abstained']:,}, attributes "
                      f"removed in {recaption['rows_with_attributes_removed']:,}, regenerated "
                      f"{recaption['regenerated']:,}; training caption: {source}")
+    if manifest.get("steps"):  # the cost of the build per image and projected (shards/cost.py)
+        lines += [f"cost: {line}" for line in cost_lines(from_manifest(manifest))]
     if vocab:
         image, text = vocab["image_tokenizer"], vocab["text_tokenizer"]
         lines.append(f"image tokenizer: {image.get('backend')} {image.get('model')} "
@@ -122,4 +126,5 @@ def inspect_data(path: str, storage_options: dict | None = None) -> dict[str, An
             "funnel": manifest["funnel"]["final"], "budget": manifest["budget"],
             "tasks": manifest["totals"]["tasks"], "shards": shards,
             "models": manifest["models"], "classifiers": manifest.get("classifiers") or [],
-            "recaption": manifest.get("recaption"), "vocab": manifest.get("vocab")}
+            "recaption": manifest.get("recaption"), "vocab": manifest.get("vocab"),
+            "cost": from_manifest(manifest) if manifest.get("steps") else None}

@@ -257,6 +257,17 @@ def _timings(out: OutputDir, manifest: dict[str, Any]) -> str:
                                                   "rows/s"], rows, numeric=(2, 3, 4)), note)
 
 
+def _cost(manifest: dict[str, Any]) -> str:
+    from pairforge.shards.cost import from_manifest, lines
+
+    if not manifest.get("steps"):
+        return _section("cost", "Cost", _note("no step seconds in the manifest"))
+    paragraphs = "".join(f"<p>{html.escape(line)}</p>" for line in lines(from_manifest(manifest)))
+    return _section("cost", "Cost (pairforge cost)", paragraphs, _note(
+        "device-seconds are the steps' own on the device this build ran on; price and "
+        "projection sizes from the config's cost section"))
+
+
 def _config(manifest: dict[str, Any]) -> str:
     import yaml
 
@@ -274,7 +285,7 @@ figure{width:140px;margin:0;font-size:11px}figure img{display:block}
 pre{background:#f7f7f7;padding:.5em;font-size:12px;overflow:auto}nav a{margin-right:1em}"""
 SECTIONS = [("funnel", "funnel"), ("budget", "token budget"), ("scores", "scores"),
             ("recaption", "recaptioning"), ("samples", "samples"), ("timings", "timings"),
-            ("config", "config")]
+            ("cost", "cost"), ("config", "config")]
 
 
 def render_report(path: str, storage_options: dict | None = None) -> str:
@@ -283,7 +294,7 @@ def render_report(path: str, storage_options: dict | None = None) -> str:
     nav = "<nav>" + "".join(f'<a href="#{a}">{t}</a>' for a, t in SECTIONS) + "</nav>"
     body = [_summary(path, out, manifest), nav, _funnel(manifest), _budget(rows, manifest),
             _scores(rows, manifest), _recaption(rows, manifest), _thumbnails(out),
-            _timings(out, manifest), _config(manifest)]
+            _timings(out, manifest), _cost(manifest), _config(manifest)]
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>pairforge report: "
             f"{html.escape(path)}</title><style>{STYLE}</style></head><body>"
             f"<h1>pairforge report: {html.escape(path)}</h1>{''.join(body)}</body></html>")
