@@ -120,15 +120,17 @@ def download(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
                  cfg.output.path)
 
 
-def _print_dedup(stats: dict[str, Any]) -> None:
+def _print_dedup(stats: dict[str, Any], out: str) -> None:
     if not stats.get("enabled", True):
         console.print("[b]dedup[/b]: disabled")
+        _print_log(stats, out)
         return
     fields = ["ok_rows", "duplicate_exact", "duplicate_near", "duplicate_mirror",
               "duplicate_crop", "clusters", "kept",
               "degenerate_hashes", "dense_phashes", "index_rows"]
     shown = ", ".join(f"{f.replace('_', ' ')} {stats[f]:,}" for f in fields if f in stats)
     console.print(f"[b]dedup[/b]: {shown}")
+    _print_log(stats, out)
 
 
 @app.command()
@@ -142,7 +144,7 @@ def dedup(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
 
     cfg = _load(config, set_)
     _preflight(cfg, "dedup")
-    _print_dedup(_run_guarded(run_dedup_stage, cfg, force, not quiet))
+    _print_dedup(_run_guarded(run_dedup_stage, cfg, force, not quiet), cfg.output.path)
 
 
 @app.command()
@@ -173,7 +175,7 @@ def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
     _run_guarded(check_settings, cfg, ("download", "process"), force)
     _print_stage("download", _run_guarded(run_download, cfg, not quiet, force),
                  cfg.output.path)
-    _print_dedup(_run_guarded(run_dedup_stage, cfg, False, not quiet))
+    _print_dedup(_run_guarded(run_dedup_stage, cfg, False, not quiet), cfg.output.path)
     _print_stage("process", _run_guarded(run_process, cfg, not quiet, force),
                  cfg.output.path)
     out = cfg.output.path

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -494,11 +495,19 @@ def test_stage_on_ray_matches_the_algorithm_and_resumes(coco, tmp_path, ray_loca
     from pairforge.pipeline.dedup_stage import run_dedup
 
     write_raw_shards(tmp_path / "raw", coco, shards=3)
+    said: list[str] = []
     stats = run_dedup(str(tmp_path / "raw"), str(tmp_path / "dedup"), DedupConfig(),
-                      RAY)
+                      RAY, say=said.append)
     table = pq.read_table(tmp_path / "dedup" / "duplicates.parquet")
     expected = find_duplicates(to_rows(coco), T).duplicates
     assert table.equals(expected)
+    # each phase is said as it starts (the live line of issue 22)
+    assert said[0] == ("dedup: reading the hashes of 3 raw shards and 0 index files; "
+                       "starting Ray…")
+    assert re.fullmatch(rf"dedup: joining {len(coco):,} rows' hashes \(exact, then near "
+                        r"within 4 bits, as banded Ray tasks; read in [\d.]+ s\)…", said[1])
+    assert re.fullmatch(rf"dedup: {len(expected):,} duplicates found in [\d.]+ s; writing "
+                        "duplicates and index", said[2])
     assert stats["rows_in"] == len(coco) + 9
     assert stats["status_counts"] == {"ok": len(coco), "timeout": 9}
     assert stats["ok_rows"] == stats["kept"] + stats["duplicates"]
@@ -511,7 +520,9 @@ def test_stage_on_ray_matches_the_algorithm_and_resumes(coco, tmp_path, ray_loca
     # a finished stage is not redone while its inputs and config are the same ...
     (tmp_path / "dedup" / "duplicates.parquet").write_bytes(b"changed")
     assert run_dedup(str(tmp_path / "raw"), str(tmp_path / "dedup"), DedupConfig(),
-                     RAY) == stats
+                     RAY, say=said.append) == stats
+    assert said[3] == ("dedup: the finished run matches the raw shards, index files and "
+                       "config: reused")
     # ... but is when asked to, when the config changes, or when a raw shard is added
     forced = run_dedup(str(tmp_path / "raw"), str(tmp_path / "dedup"), DedupConfig(),
                        RAY, force=True)
