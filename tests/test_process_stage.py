@@ -404,8 +404,10 @@ def test_manifest_sizes_and_wids_index(tmp_path, coco_raw, tiny_vq, ray_local):
     log = (out / manifest["log"]).read_text()  # the run's log, named by the manifest
     assert re.match(r"logs/process-\d{8}T\d{6}Z\.log$", manifest["log"])
     assert re.search(r"INFO process: steps basic, .*tokenize \(\S+ on 1 actor\)", log), log
-    # shards of 10 rows: the first lost row 3 (a one-word caption) and row 9 (a 404)
-    assert re.search(r"INFO shards/00000: 10 rows, 8 ok; steps: basic 10 rows [\d.]+ s", log)
+    # shards of 10 rows: the first lost row 9 to a 404 (basic sees 9) and row 3 to its
+    # one-word caption
+    assert re.search(r"INFO shards/00000: 10 rows, 8 ok; steps: basic 9 rows [\d.]+ s, "
+                     r"tokenize 8 rows [\d.]+ s, training_caption 8 rows", log), log
     assert "WARNING shards/00000: 1 caption_too_short, e.g. 000000003" in log
     assert re.search(r"WARNING shards/00000: 1 http_error, e\.g\. 000000009 \(.*404", log), log
     assert log.rstrip().endswith("INFO process finished")
