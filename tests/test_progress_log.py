@@ -135,3 +135,13 @@ def test_a_config_digest_is_stable_and_changes_with_the_config(tmp_path):
                           "download": {"threads": 8}})
     assert config_digest(other) != config_digest(cfg)
     assert re.fullmatch(r"[0-9a-f]{16}", config_digest(cfg))
+
+
+def test_an_fsspec_output_gets_the_log_when_the_run_ends():
+    cfg = parse_config({"input": {"path": "in.csv"}, "output": {"path": "memory://pf-log/out"}})
+    with run_log(cfg, "dedup") as name:
+        LOG.info("a phase")
+    out = OutputDir(cfg.output.path)
+    assert not out.local
+    text = out.fs.cat(out.path(name)).decode()
+    assert "INFO a phase\n" in text and text.rstrip().endswith("INFO dedup finished")

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -80,6 +81,7 @@ def run_log(cfg: PairforgeConfig, stage: str) -> Iterator[str]:
         if not out.local:
             with open(local, "rb") as src, out.open_atomic(name) as dst:
                 dst.write(src.read())
+            shutil.rmtree(os.path.dirname(local), ignore_errors=True)
 
 
 def log_shard(out: OutputDir, folder: str, stats: dict[str, Any]) -> None:
