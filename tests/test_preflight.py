@@ -225,6 +225,24 @@ def test_grounding_checks_the_clip_model_with_the_clip_filter_off():
     check_model_sources(_cfg({"clip": {"pretrained": "no-such-tag"}}))  # nothing uses CLIP
 
 
+def test_embedding_cache_and_logit_bias_name_their_models(tmp_path):
+    """The cache's embedding tier loads the clip model (grounding off); the OpenAI
+    backend's logit_bias tokenizer must be a folder with tokenizer files (issue 20)."""
+    problems = _problems({"clip": {"pretrained": "no-such-tag"}, "recaption": {
+        "enabled": True, "model": str(SAMPLE / "captioner"), **NO_GROUNDING,
+        "cache": {"embedding_threshold": 0.97}}})
+    assert [p.split(":")[0] for p in problems] == ["process.clip.pretrained"]
+    (tmp_path / "tok").mkdir()
+    problems = _problems({"recaption": {
+        "enabled": True, "backend": "openai", "model": "served", **NO_GROUNDING,
+        "openai": {"logit_bias_tokenizer": str(tmp_path / "tok")}}})
+    assert [p.split(":")[0] for p in problems] == [
+        "process.recaption.openai.logit_bias_tokenizer"]
+    check_model_sources(_cfg({"recaption": {  # the captioner's folder holds a tokenizer
+        "enabled": True, "backend": "openai", "model": "served", **NO_GROUNDING,
+        "openai": {"logit_bias_tokenizer": str(SAMPLE / "captioner")}}}))
+
+
 def test_build_stops_before_downloading_anything(tmp_path):
     # 127.0.0.1:9 (discard) is never asked: the build must stop before stage 1
     (tmp_path / "in.csv").write_text("url,caption\nhttp://127.0.0.1:9/a.jpg,a cat on a mat\n")

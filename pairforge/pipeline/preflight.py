@@ -225,12 +225,18 @@ def model_problems(cfg: PairforgeConfig) -> list[str]:
     problems: list[str] = []
     if process.tokenize.enabled:
         problems += _tokenizer_problems(cfg)
-    if process.clip.enabled or (process.recaption.enabled and process.recaption.grounding.enabled):
+    rc = process.recaption
+    # grounding and the cache's embedding tier load the clip section's model
+    if process.clip.enabled or (rc.enabled and (rc.grounding.enabled
+                                                or rc.cache.embedding_threshold is not None)):
         problems += _clip_problems(process.clip)
-    if process.recaption.enabled and process.recaption.backend == "transformers":
-        problems += _source_problems("process.recaption.model", process.recaption.model,
+    if rc.enabled and rc.backend == "transformers":
+        problems += _source_problems("process.recaption.model", rc.model,
                                      [("config.json",), WEIGHT_FILES, PROCESSOR_FILES],
-                                     process.recaption.revision)
+                                     rc.revision)
+    if rc.enabled and rc.backend == "openai" and rc.openai.logit_bias_tokenizer:
+        problems += _source_problems("process.recaption.openai.logit_bias_tokenizer",
+                                     rc.openai.logit_bias_tokenizer, [TOKENIZER_FILES])
     for i, entry in enumerate(process.classifiers):
         problems += _classifier_problems(cfg, i, entry)
     return problems
