@@ -232,7 +232,7 @@ def show(path: PathArg,
     if not shown:
         console.print("[yellow]no sample matches[/yellow]")
         raise typer.Exit(1)
-    console.print(f"{shown} samples → [b]{output}[/b]")
+    console.print(f"{shown} samples → [b]{output}[/b]", soft_wrap=True)  # a path in one piece
 
 
 @app.command()
@@ -243,7 +243,7 @@ def report(path: PathArg,
     from pairforge.shards.report import write_report
 
     _run_guarded(write_report, path, output)
-    console.print(f"report → [b]{output}[/b]")
+    console.print(f"report → [b]{output}[/b]", soft_wrap=True)
 
 
 @app.command()

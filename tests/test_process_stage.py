@@ -452,7 +452,7 @@ def test_verify_passes_a_good_dataset(tokenized_dataset):
     assert verify_dataset(str(tokenized_dataset)) == []
     cli = subprocess.run([sys.executable, "-m", "pairforge.cli", "verify",
                           str(tokenized_dataset)], capture_output=True, text=True)
-    assert cli.returncode == 0 and "matches" in cli.stderr
+    assert cli.returncode == 0 and "matches" in cli.stdout  # the answer is data: stdout
 
 
 def test_verify_catches_a_deleted_sample(tokenized_dataset, tmp_path):

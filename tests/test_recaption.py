@@ -243,8 +243,11 @@ def _samples(out: Path) -> dict[str, dict]:
 def test_recaption_stage_caches_dedups_filters_and_chooses(
         tmp_path, recaption_raw, taught_blip, tiny_clip, tiny_vq) -> None:  # noqa: F811
     shared_cache = tmp_path / "cache"
+    # the taught model says "woman"; the post-filter's rewrite is what this test reads
+    # (constrained decoding has its own tests in test_constrain.py)
     cfg = _config(_fresh_out(tmp_path / "a", recaption_raw), taught_blip, tiny_clip, tiny_vq,
-                  cache={"path": str(shared_cache)}, grounding={"min_score": -1.0})
+                  cache={"path": str(shared_cache)}, grounding={"min_score": -1.0},
+                  constrained_decoding=False)
     cfg["process"]["tasks"].update(caption="mix", recaption_share=0.5)
     out = Path(cfg["output"]["path"])
     run_process(parse_config(cfg), show_progress=False)
@@ -287,7 +290,8 @@ def test_recaption_stage_caches_dedups_filters_and_chooses(
     # captioner loaded (its weights are garbage for the run: preflight sees the file, a
     # load would fail)
     again = _config(_fresh_out(tmp_path / "b", recaption_raw), taught_blip, tiny_clip, tiny_vq,
-                    cache={"path": str(shared_cache)}, grounding={"min_score": -1.0})
+                    cache={"path": str(shared_cache)}, grounding={"min_score": -1.0},
+                    constrained_decoding=False)  # the same settings, or the cache misses
     out_b = Path(again["output"]["path"])
     weights = taught_blip / "model.safetensors"
     hidden = weights.rename(tmp_path / "weights.hidden")
