@@ -60,7 +60,7 @@ ForceOpt = Annotated[bool, typer.Option(
 def _user_error(err: Exception) -> typer.Exit:
     """Print a user error as one paragraph (no markup read from it, no wrapping inside a
     path) and return the exit that says so: code 2."""
-    console.print(f"[red]error:[/red] {escape(str(err))}", soft_wrap=True)
+    console.print(f"[red]error:[/red] {escape(str(err))}")
     return typer.Exit(2)
 
 
@@ -73,8 +73,7 @@ def _load(config: Path, overrides: list[str] | None) -> PairforgeConfig:
 
 def _print_log(summary: dict[str, Any], out: str) -> None:
     if summary.get("log"):
-        console.print(f"log: {out.rstrip('/')}/{summary['log']}", highlight=False,
-                      soft_wrap=True)
+        console.print(f"log: {out.rstrip('/')}/{summary['log']}", highlight=False)
 
 
 def _print_stage(name: str, summary: dict[str, Any], out: str) -> None:
@@ -228,11 +227,11 @@ def show(path: PathArg,
     shown = _run_guarded(make_sheet, path, output, task and task.value, grep, n, None, notes,
                          status, duplicates)
     for note in notes:
-        console.print(f"[yellow]note:[/yellow] {escape(note)}", soft_wrap=True)
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")
     if not shown:
         console.print("[yellow]no sample matches[/yellow]")
         raise typer.Exit(1)
-    console.print(f"{shown} samples → [b]{output}[/b]", soft_wrap=True)  # a path in one piece
+    console.print(f"{shown} samples → [b]{output}[/b]")
 
 
 @app.command()
@@ -243,7 +242,7 @@ def report(path: PathArg,
     from pairforge.shards.report import write_report
 
     _run_guarded(write_report, path, output)
-    console.print(f"report → [b]{output}[/b]", soft_wrap=True)
+    console.print(f"report → [b]{output}[/b]")
 
 
 @app.command()

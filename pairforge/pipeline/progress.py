@@ -12,7 +12,8 @@ from rich.text import Text
 
 from pairforge.records import Status
 
-console = Console(stderr=True)
+# messages keep paths and keys in one piece: no wrapping inserted at the terminal width
+console = Console(stderr=True, soft_wrap=True)
 LOG = logging.getLogger("pairforge")
 
 
@@ -41,7 +42,7 @@ def format_duration(seconds: float) -> str:
 def say(message: str) -> None:
     """A line at once, before something slow (Ray starting, models loading), on stderr and
     in the run log."""
-    console.print(message, markup=False, highlight=False, soft_wrap=True)
+    console.print(message, markup=False, highlight=False)
     LOG.info(message)
 
 
@@ -93,7 +94,7 @@ class StageDisplay:
         self.printed = time.monotonic()
         line = self.line()
         if not log_only:
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
+            console.print(line, markup=False, highlight=False)
         LOG.info(line)
 
     def _pace(self) -> tuple[int, float, float, float]:
