@@ -229,14 +229,14 @@ def colour(arm: dict[str, Any]) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    head = ("| arm | seeds | adherence (all) | colour+shape | colour | guidance | L_I\\|T | "
-            "L_I\\|∅ | L_T\\|I | L_T | caption accuracy | training captions exact |")
+    head = ("| arm | seeds | adherence (all) | colour+shape | colour | guidance per seed | "
+            "L_I\\|T | L_I\\|∅ | L_T\\|I | L_T | caption accuracy | training captions exact |")
     lines = [head, "|" + "---|" * 12]
     for group in ("arms", "recipe"):
         for name, arm in result[group].items():
             lines.append(f"| {group}/{name} | {arm['seeds']} | {fmt(arm, 'adherence')} | "
                          f"{fmt(arm, 'adherence_colour_shape')} | {colour(arm)} | "
-                         f"{arm['cfg_scale']:.2f} | "
+                         f"{' / '.join(f'{c:g}' for c in arm['cfg_scale_per_seed'])} | "
                          + " | ".join(fmt(arm, k) for k in LOSSES)
                          + f" | {fmt(arm, 'caption_accuracy')} | "
                          f"{arm.get('training_caption_exact', float('nan')):.3f} |")
@@ -393,6 +393,7 @@ def run_all(work: Path, args: argparse.Namespace) -> dict[str, Any]:
                 f"{m['L_T|I']:.3f}, L_T {m['L_T']:.3f}")
         group, arm = key.split("/")
         result[group][arm] = {**summarise(per_seed), "build": name, "recipe": recipe,
+                              "cfg_scale_per_seed": [m["cfg_scale"] for m in per_seed],
                               "schedule": schedule,
                               "training_caption_exact": built[name]["training_caption_exact"]}
     if not args.quick:
