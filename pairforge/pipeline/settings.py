@@ -31,7 +31,8 @@ PERFORMANCE_KEYS = {"threads", "processes", "per_host_connections", "timeout", "
 # such a change), so that reruns redo the shards an older pairforge wrote.
 # download 2: libvips downscaling; 3: phash without box pre-reduction, mirror and crop hashes
 # process 2: the wider attribute rule and constrained decoding (issue 20)
-OUTPUT_VERSIONS = {"download": 3, "process": 2}
+# process 3: an attribute adjective left without its noun is the person (issue 20)
+OUTPUT_VERSIONS = {"download": 3, "process": 3}
 # Config keys naming model files whose bytes decide stage-3 output.
 MODEL_KEYS = ("process.clip.pretrained", "process.clip.model_config_path",
               "process.recaption.model", "process.tokenize.image.path_or_id",

@@ -30,6 +30,13 @@ Rules
   role read from a uniform: "a baseball player" -> "a person playing baseball".
 * Words that are things stay things: adjectives only go before a person noun ("a gay-pride
   flag", "a gay bar", "a fat cat", "a beautiful sunset", "a homeless shelter").
+* An attribute adjective left without its noun stands for the person: "A young sleeping
+  on a bed." (what a model kept from writing "woman" may write) -> "A person sleeping on a
+  bed.", "the elderly at a bus stop" -> "the people at a bus stop". Only the adjectives in
+  ``attr_nominal.txt``, only right after a determiner, and only before a verb, a
+  preposition or the end ("a young sleeping puppy" is a puppy; "a little to the left",
+  "the blind on the window" and "a danish on a plate" are not people: those words are not
+  listed).
 * Disability lines may name the visible fact to keep ("a wheelchair-bound man" -> "a
   person using a wheelchair"); "a person in a wheelchair" is left as it is.
 * Exceptions (attr_exceptions.txt) are never touched: "boy scout" is an organisation
@@ -72,7 +79,9 @@ Format, one entry per line, ``#`` starts a comment, case does not matter:
 Special files: ``attr_heads.txt`` (neutral person nouns, in the noun format: never
 rewritten, but adjectives before them are: "a young skier" -> "a skier"),
 ``attr_animals.txt`` (animal nouns, noun format), ``attr_descriptors.txt`` (adjectives that
-may stand between an attribute adjective and its noun, one per line) and
+may stand between an attribute adjective and its noun, one per line),
+``attr_nominal.txt`` (attribute adjectives that stand for a person when no noun follows,
+one per line) and
 ``attr_exceptions.txt`` (phrases left alone, one per line; the last word also matches its
 regular plural). Every other ``attr_NAME.txt`` is the attribute category NAME.
 """
@@ -97,6 +106,8 @@ STRICT_PROMPT_SUFFIX = (
 )
 
 PREFIX = "attr_"
+# special files read as plain word lists (no [nouns]/[adjectives] sections)
+_WORD_SETS = ("descriptors", "exceptions", "nominal")
 
 # colour words that are also race terms: "a white dog walker" is a white dog, so they only
 # count when they sit right before the person noun or its adjectives
@@ -156,6 +167,7 @@ class AttributeLexicon:
     adjectives: dict[tuple[str, ...], Term] = field(default_factory=dict)
     heads: dict[tuple[str, ...], Term] = field(default_factory=dict)
     descriptors: set[str] = field(default_factory=set)
+    nominal: set[tuple[str, ...]] = field(default_factory=set)
     animals: set[str] = field(default_factory=set)
     exceptions: set[tuple[str, ...]] = field(default_factory=set)
     longest: int = 1  # words in the longest entry, so matching tries no longer phrases
@@ -208,7 +220,7 @@ def _stage_file(staged: _Staged, category: str, text: str) -> None:
             entries.pop(line[1:].strip(), None)
             continue
         term, _, after = (part.strip() for part in line.partition("=>"))
-        if section == "adjectives" or category in ("descriptors", "exceptions"):
+        if section == "adjectives" or category in _WORD_SETS:
             entries[term] = ([(term, False)], after)
             continue
         singular, _, plural_form = (part.strip() for part in term.partition("|"))
@@ -245,6 +257,8 @@ def _compile(staged: _Staged) -> AttributeLexicon:
                 for key in _keys(phrase):
                     if category == "descriptors":
                         lex.descriptors.add(phrase)
+                    elif category == "nominal":
+                        lex.nominal.add(key)
                     elif category == "exceptions":
                         lex.exceptions.update({key, (*key[:-1], plural(key[-1]))})
                     elif category == "animals":
@@ -497,6 +511,88 @@ def _drop_adjectives(cap: _Caption, spans: list[_Span]) -> None:
             _drop_connector(cap, pos, pos + length)
             head.after = head.after or term.after
         pos += length
+
+
+# an orphaned attribute adjective ("A young sleeping on a bed.") after these determiners
+_ONE = {"a", "an", "one", "each", "every", "another"}
+_MANY = {"these", "those", "some", "several", "many", "both", "all"} | (set(_NUMBERS) - {"one"})
+# after the adjective, these words show that no noun follows it
+_NO_NOUN = {"in", "on", "at", "with", "near", "next", "beside", "behind", "under", "by",
+            "inside", "outside", "against", "into", "onto", "across", "along", "among",
+            "around", "between", "beneath", "over", "through", "toward", "towards", "who",
+            "is", "are", "was", "were", "has", "have"}
+_END = set(".;:!?")
+
+
+def _verb_like(cap: _Caption, pos: int) -> bool:
+    """"sleeping on", "holding a", "dressed in": a participle followed by a function word,
+    a preposition or the end is a verb; "a sleeping puppy" is a modifier."""
+    low = cap.low(pos)
+    if len(low) <= 4 or not low.endswith(("ing", "ed")):
+        return False
+    nxt = pos + 1
+    return nxt == len(cap.words) or cap.gap(nxt) != "space" or (
+        cap.low(nxt) in _FUNCTION_WORDS | _NO_NOUN)
+
+
+def _no_noun_at(cap: _Caption, pos: int) -> bool:
+    """Whether word ``pos`` (right after an adjective) shows that no noun follows it."""
+    if pos == len(cap.words):
+        return True
+    if cap.gap(pos) != "space":  # "a young." ends it; "a young, happy person" does not
+        between = cap.toks[cap.words[pos] - 1].text
+        return between in _END
+    return cap.low(pos) in _NO_NOUN or _verb_like(cap, pos)
+
+
+def _modifier_run(cap: _Caption, pos: int, covered: set[int]) -> list[tuple[int, int, Term | None]]:
+    """Adjectives from word ``pos`` on: (start, words, attribute term or None)."""
+    run: list[tuple[int, int, Term | None]] = []
+    while pos < len(cap.words) and pos not in covered and not cap.tok(pos).deleted:
+        if run and cap.gap(pos) != "space":
+            break
+        found = cap.match(cap.lex.adjectives, pos)
+        if found is not None:
+            run.append((pos, found[1], found[0]))
+            pos += found[1]
+        elif cap.low(pos) in cap.lex.descriptors and not cap.tok(pos).protected:
+            run.append((pos, 1, None))
+            pos += 1
+        else:
+            break
+    return run
+
+
+def _orphans(cap: _Caption, spans: list[_Span]) -> bool:
+    """"A young sleeping on a bed." -> "A person sleeping on a bed.": a listed attribute
+    adjective after a determiner with no noun after it is the person. True if any."""
+    covered = {pos for span in spans for pos in range(span.start, span.end)}
+    found, pos = False, 1
+    while pos < len(cap.words):
+        det = cap.low(pos - 1)
+        run = [] if (det not in _ONE | _MANY | {"the"} or cap.gap(pos) != "space"
+                     or cap.tok(pos - 1).deleted) else _modifier_run(cap, pos, covered)
+        if not run:
+            pos += 1
+            continue
+        start, length, term = run[-1]
+        end = start + length
+        words = tuple(cap.low(p) for p in range(start, end))
+        if term is None or words not in cap.lex.nominal or not _no_noun_at(cap, end):
+            pos = end
+            continue
+        for at, size, attribute in run:
+            if attribute is not None:
+                cap.record(at, attribute)
+                for word in range(at, at + size):
+                    cap.delete(word)
+        tok = cap.tok(start)
+        following = cap.low(end) if end < len(cap.words) else ""
+        tok.plural = det in _MANY or (det == "the" and following not in _SINGULAR_VERBS)
+        tok.text = _cased("people" if tok.plural else "person", tok.text)
+        tok.deleted, tok.touched, tok.person = False, True, True
+        found, pos = True, end
+    return found
 
 
 def _cased(word: str, like: str) -> str:
@@ -788,9 +884,11 @@ def neutralize(caption: str, lexicon: AttributeLexicon | None = None) -> Neutral
     _protect(cap)
     spans = _find_spans(cap)
     _drop_adjectives(cap, spans)
+    orphaned = _orphans(cap, spans)
     _rewrite_nouns(cap, spans)
     _drop_relations(cap, spans)
-    if spans or not any(cap.low(p) in cap.lex.animals for p in range(len(cap.words))):
+    if spans or orphaned or not any(cap.low(p) in cap.lex.animals
+                                    for p in range(len(cap.words))):
         _rewrite_pronouns(cap)  # with an animal and no person, he/she is the animal's
     _collapse(cap)
     _fix_articles(cap)
