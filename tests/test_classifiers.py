@@ -309,6 +309,46 @@ def test_a_head_step_reads_the_embedding_not_the_image(models, tmp_path):
     assert result["status"].to_pylist() == ["ok"] * 3
 
 
+def test_the_second_pass_encodes_only_rows_the_scoring_pass_did_not(models, raw, tmp_path):
+    """top_fraction mode with a clip-head: the scoring pass saved every scored row's
+    embedding; the second pass reads them with the cached scores (pipeline/stream.py), so
+    CLIP encodes only a row that has none."""
+    import shutil
+
+    from pairforge.filters.clip import ClipStep
+    from pairforge.pipeline.stream import load_rows
+    from pairforge.shards.storage import OutputDir
+    from pairforge.shards.training import write_embeddings
+
+    out = tmp_path / "out"
+    shutil.copytree(raw / "raw", out / "raw")
+    cfg = parse_config(_cfg(out, models, [
+        {"name": "linear", "backend": "clip-head", "path": models["linear"]}],
+        mode="top_fraction"))
+    step = ClipStep(cfg)
+    first = load_rows(pa.table({"shard": [0], "duplicates": [[]]}), str(out), {})
+    keys = first["key"].to_pylist()
+    scored = step(first.slice(1))  # the scoring pass, one row short of the shard
+    (out / "clip").mkdir()
+    pq.write_table(scored.select(["key", "clip_score"]), out / "clip" / "00000.parquet")
+    write_embeddings(OutputDir(str(out)), 0, keys[1:], scored["clip_embedding"].to_pylist())
+
+    second = load_rows(pa.table({"shard": [0], "duplicates": [[]]}), str(out), {}, True)
+    assert second["clip_embedding"].to_pylist()[1:] == scored["clip_embedding"].to_pylist()
+    assert second["clip_embedding"][0].as_py() is None
+    encoded = []
+    embed_images = step.scorer.embed_images
+    step.scorer.embed_images = lambda images: encoded.append(len(images)) or embed_images(
+        images)
+    result = step(second)
+    assert encoded == [1]  # the one row the scoring pass did not embed
+    assert result["clip_embedding"].to_pylist()[1:] == scored["clip_embedding"].to_pylist()
+    assert result["clip_score"].to_pylist()[1:] == scored["clip_score"].to_pylist()
+    fresh = step(first.slice(0, 1))
+    np.testing.assert_allclose(result["clip_embedding"][0].as_py(),
+                               fresh["clip_embedding"][0].as_py(), atol=1e-6)
+
+
 def test_steps_sharing_a_status_count_their_own_drops(models, tmp_path):
     from pairforge.filters.classify import classifier_steps
     from pairforge.stage import SECONDS_PREFIX, step_stats

@@ -146,6 +146,7 @@ def test_top_fraction_keeps_exactly_the_highest_scores(tmp_path, coco_raw, tiny_
     assert sorted(k for k, r in rows.items() if r["status"] == "ok") == sorted(best)
     embeddings = np.load(out / "embeddings" / "00000.npy")
     keys = json.loads((out / "embeddings" / "00000_keys.json").read_text())
+    assert sorted(keys) == sorted(k for k in scored if k.startswith("00000"))
     assert embeddings.shape == (len(keys), TINY_CLIP["embed_dim"])
     assert np.allclose(np.linalg.norm(embeddings, axis=1), 1, atol=1e-4)
 

@@ -238,7 +238,9 @@ def test_stage3_drops_semantic_copies_beside_their_kept_rows(tmp_path, tiny_clip
         image = Image.open(f)
         image.resize((image.width // 2, image.height // 2)).save(served / f"half_{f.name}",
                                                                   quality=90)
-    names = [f.name for f in photos] + [f"half_{f.name}" for f in photos[:3]]
+    # each copy beside its photo, so a shard holds both kept rows and copies
+    names = [n for f in photos[:3] for n in (f.name, f"half_{f.name}")]
+    names += [f.name for f in photos[3:]]
     with LoopbackServer(served, "127.0.0.1") as server:
         raw = download_raw(tmp_path, [(server.url("/img/" + n), f"a photo {i}")
                                       for i, n in enumerate(names)], shard_size=5)
@@ -248,7 +250,8 @@ def test_stage3_drops_semantic_copies_beside_their_kept_rows(tmp_path, tiny_clip
                                   "semantic": {"enabled": True, "threshold": 0.995}},
                         "process": {"basic": {"min_image_side": 64},
                                     "clip": {"enabled": True, "batch_size": 8,
-                                             "mode": "score_only", **tiny_clip}}})
+                                             "mode": "score_only", "save_embeddings": True,
+                                             **tiny_clip}}})
     summary = run_process(cfg, show_progress=False)
     rows = {}
     for part in sorted((raw / "shards").glob("*.parquet")):
@@ -262,6 +265,12 @@ def test_stage3_drops_semantic_copies_beside_their_kept_rows(tmp_path, tiny_clip
         assert row["duplicate_of"] == twin["key"] and twin["status"] == "ok"
     assert sum(r["status"] == "ok" for r in rows.values()) == 10
     assert summary["semantic_dedup"]["duplicate_semantic"] == 3
+    # save_embeddings: the writing pass leaves the scoring pass's files whole (it embeds 10
+    # rows: the copies skip CLIP), so a rerun finds the same inputs and the same duplicates
+    embedded = [k for f in sorted((raw / "embeddings").glob("*_keys.json"))
+                for k in json.loads(f.read_text())]
+    assert sorted(embedded) == sorted(rows)
+    assert run_process(cfg, show_progress=False)["semantic_dedup"] == summary["semantic_dedup"]
     # every decision explained: counts per kind, and each dropped row beside the kept one
     from pairforge.shards.duplicates import summary_lines
     from pairforge.shards.show import TILE, show

@@ -77,6 +77,11 @@ def clip_embed_dim(cfg: ClipConfig) -> int | None:
     return int(config["embed_dim"]) if config and "embed_dim" in config else None
 
 
+def _cached(rows: pa.Table, column: str) -> list:
+    """A column the scoring pass cached (pipeline/stream.load_rows), else all None."""
+    return rows[column].to_pylist() if column in rows.column_names else [None] * rows.num_rows
+
+
 class ClipStep(ModelStep):
     """Scores ok rows that have no score yet; filters by the configured threshold."""
 
@@ -97,16 +102,18 @@ class ClipStep(ModelStep):
 
     def process(self, rows: pa.Table) -> StepResult:
         captions = rows["caption"].to_pylist()
-        cached = (rows["clip_score"].to_pylist() if "clip_score" in rows.column_names
-                  else [None] * rows.num_rows)
+        cached = _cached(rows, "clip_score")
         todo = [i for i, (c, s) in enumerate(zip(captions, cached, strict=True))
                 if c is not None and s is None]
         # clip-head classifiers read every row's image embedding (also rows without a
-        # caption, or whose score is cached), so they never encode an image again
+        # caption), so they never encode an image again; the scoring pass's are reused
         keep = self.clip_cfg.save_embeddings or self.for_heads
-        encode = list(range(rows.num_rows)) if self.for_heads else todo
+        embeddings: list[list[float] | None] = (_cached(rows, "clip_embedding") if keep
+                                                else [None] * rows.num_rows)
+        scored_now = set(todo)
+        want = range(rows.num_rows) if self.for_heads else todo
+        encode = [i for i in want if i in scored_now or embeddings[i] is None]
         scores: list[float | None] = list(cached)
-        embeddings: list[list[float] | None] = [None] * rows.num_rows
         if encode:
             images = rows["image"].take(encode).to_pylist()
             image_emb = self.scorer.embed_images([decode_rgb(b) for b in images])

@@ -75,9 +75,12 @@ def _learn_clip_threshold(cfg: PairforgeConfig, out: OutputDir,
     keeps that fraction of all scores, for the second pass."""
     scoring = cfg.model_copy(deep=True)
     scoring.process.clip.mode = "score_only"
-    # semantic dedup reads the embeddings of this same pass (pipeline/semantic_stage.py)
-    scoring.process.clip.save_embeddings |= cfg.dedup.semantic.enabled
-    scoring.process.classifiers = []  # they run in pass two; no embeddings kept for them
+    # semantic dedup reads the embeddings of this pass (pipeline/semantic_stage.py), and
+    # clip-head classifiers read them in pass two (pipeline/stream.py), so no image is
+    # encoded twice
+    scoring.process.clip.save_embeddings |= (cfg.dedup.semantic.enabled
+                                             or cfg.process.uses_clip_embedding())
+    scoring.process.classifiers = []  # they run in pass two
     # the threshold needs the scores only: later (costlier) steps wait for pass two
     score_steps = steps[:steps.index(ClipStep) + 1]
     stream_shards(scoring, out, plan_shards(out, cfg, SCORES_FOLDER), score_steps,

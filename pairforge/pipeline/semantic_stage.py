@@ -52,6 +52,7 @@ from pairforge.shards.storage import (
     SCORES_FOLDER,
     OutputDir,
 )
+from pairforge.shards.training import read_embeddings
 from pairforge.stage import Step
 
 SEMANTIC_FILE = "semantic.parquet"
@@ -65,12 +66,11 @@ def embedded_rows(out_url: str, storage_options: dict, shard_id: int,
     """(key, area) of a shard's embedded rows that CLIP keeps, and their embeddings."""
     out = OutputDir(out_url, storage_options)
     name = shard_name(shard_id)
-    if not out.exists(EMBEDDINGS_FOLDER, f"{name}.npy"):
+    saved = read_embeddings(out, shard_id)
+    if saved is None:
         return pa.table({"key": pa.array([], pa.string()), "area": pa.array([], pa.int64())}
                         ), np.zeros((0, 0), np.float32)
-    with out.fs.open(out.path(EMBEDDINGS_FOLDER, f"{name}.npy"), "rb") as f:
-        vectors = np.load(f)
-    keys = out.read_json(EMBEDDINGS_FOLDER, f"{name}_keys.json")
+    keys, vectors = saved
     with out.fs.open(out.path(SCORES_FOLDER, f"{name}.parquet"), "rb") as f:
         scores = pq.read_table(f, columns=["key", "status", "clip_score"]).to_pylist()
     kept = {r["key"] for r in scores if r["status"] == Status.OK and (

@@ -24,7 +24,7 @@ from pairforge.pipeline.progress import StageDisplay
 from pairforge.records import STEP_INPUT_COLUMNS, Status
 from pairforge.shards.raw import shard_name
 from pairforge.shards.storage import RAW_FOLDER, SCORES_FOLDER, OutputDir
-from pairforge.shards.training import read_raw_images
+from pairforge.shards.training import read_embeddings, read_raw_images
 from pairforge.stage import SECONDS_PREFIX, Step
 
 # (config, plan, the steps' results for the shard, stats for every shard, the step chain)
@@ -44,9 +44,20 @@ def _cached_scores(out: OutputDir, shard_id: int) -> pa.Table | None:
         return pq.read_table(f, columns=["key", "clip_score"])
 
 
-def load_rows(batch: pa.Table, out_url: str, storage_options: dict) -> pa.Table:
+def _cached_embeddings(out: OutputDir, shard_id: int, keys: list[str]) -> pa.Array:
+    """The scoring pass's saved embeddings of ``keys`` (null where a row has none)."""
+    saved = read_embeddings(out, shard_id)
+    at = {k: i for i, k in enumerate(saved[0])} if saved else {}
+    vectors = [saved[1][at[k]].tolist() if k in at else None for k in keys]
+    return pa.array(vectors, pa.list_(pa.float32()))
+
+
+def load_rows(batch: pa.Table, out_url: str, storage_options: dict,
+              with_embeddings: bool = False) -> pa.Table:
     """Ray Data map: (shard id, its duplicate keys) in, the rows the steps must process out
-    (with images). Each shard's parquet and tar are read once here."""
+    (with images). Each shard's parquet and tar are read once here. A shard the scoring
+    pass scored comes with its cached scores and, when a step reads them
+    (``with_embeddings``), its cached embeddings: CLIP encodes no image twice."""
     out = OutputDir(out_url, storage_options)
     tables = []
     for shard_id, duplicates in zip(batch["shard"].to_pylist(),
@@ -66,6 +77,9 @@ def load_rows(batch: pa.Table, out_url: str, storage_options: dict) -> pa.Table:
                               strict=True))
             rows = rows.append_column("clip_score", pa.array(
                 [lookup.get(k) for k in rows["key"].to_pylist()], pa.float32()))
+            if with_embeddings:
+                rows = rows.append_column("clip_embedding", _cached_embeddings(
+                    out, shard_id, rows["key"].to_pylist()))
         tables.append(rows)
     return pa.concat_tables(tables, promote_options="permissive")
 
@@ -109,7 +123,8 @@ def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
         ds = ray.data.from_items([{"shard": p.shard_id, "duplicates": sorted(p.duplicates)}
                                   for p in todo], override_num_blocks=len(todo))
         ds = ds.map_batches(load_rows, batch_size=1, batch_format="pyarrow", num_cpus=TASK_CPUS,
-                            fn_args=(out.url, cfg.output.storage_options))
+                            fn_args=(out.url, cfg.output.storage_options,
+                                     cfg.process.uses_clip_embedding()))
         actor_cpus = fit_actor_cpus(steps, cfg, ray.cluster_resources().get("CPU", 1.0))
         ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=_dropped_after(cfg))
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):

@@ -60,7 +60,7 @@ def write_shard_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
     meta = (SAMPLE_FIELDS + classifier_fields(cfg)
             + (TOKEN_FIELDS if "n_image_tokens" in schema.names else []))
     return write_training_shard(out, plan.shard_id, rows, schema, meta, stats,
-                                cfg.process.tasks)
+                                cfg.process.tasks, cfg.writing_pass_saves_embeddings())
 
 
 def write_scores_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,

@@ -118,8 +118,10 @@ def task_totals(ok: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
 
 def write_training_shard(out: OutputDir, shard_id: int, rows: list[dict[str, Any]],
                          schema: pa.Schema, meta_fields: list[str],
-                         stats_extra: dict[str, Any], tasks: TasksConfig) -> dict[str, Any]:
-    """Tar of the ok samples, parquet of every row, then the stats file (last)."""
+                         stats_extra: dict[str, Any], tasks: TasksConfig,
+                         save_embeddings: bool = True) -> dict[str, Any]:
+    """Tar of the ok samples, parquet of every row, the rows' CLIP embeddings (when
+    ``save_embeddings``), then the stats file (last)."""
     out.makedirs(SHARDS_FOLDER)
     ok = [r for r in rows if r["status"] == Status.OK]
     budget = label_tasks(ok, shard_id, tasks)
@@ -129,7 +131,8 @@ def write_training_shard(out: OutputDir, shard_id: int, rows: list[dict[str, Any
         for row in ok:
             writer.write(row["key"], _sample(row, images[row["key"]], meta_fields))
     embeddings = [r.pop("clip_embedding", None) for r in rows]
-    write_embeddings(out, shard_id, [r["key"] for r in rows], embeddings)
+    if save_embeddings:
+        write_embeddings(out, shard_id, [r["key"] for r in rows], embeddings)
     # One schema for every shard, so readers can open them all as one dataset.
     table = pa.Table.from_pylist(rows, schema=schema)
     with out.open_atomic(SHARDS_FOLDER, f"{name}.parquet") as f:
@@ -139,6 +142,16 @@ def write_training_shard(out: OutputDir, shard_id: int, rows: list[dict[str, Any
              "successes": len(ok), "status": dict(sorted(counts.items()))}
     out.write_json(stats, SHARDS_FOLDER, stats_name(shard_id))
     return stats
+
+
+def read_embeddings(out: OutputDir, shard_id: int) -> tuple[list[str], np.ndarray] | None:
+    """A shard's saved image embeddings (keys, float32 matrix), or None when it has none."""
+    name = shard_name(shard_id)
+    if not out.exists(EMBEDDINGS_FOLDER, f"{name}.npy"):
+        return None
+    with out.fs.open(out.path(EMBEDDINGS_FOLDER, f"{name}.npy"), "rb") as f:
+        vectors = np.load(f)
+    return out.read_json(EMBEDDINGS_FOLDER, f"{name}_keys.json"), vectors
 
 
 def write_embeddings(out: OutputDir, shard_id: int, keys: list[str],
