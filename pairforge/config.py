@@ -405,6 +405,18 @@ class PairforgeConfig(Strict):
                              "dropping)")
         return self
 
+    def has_scoring_pass(self) -> bool:
+        """Whether stage 3 runs CLIP's scoring pass before the writing pass (top_fraction
+        mode, semantic dedup); that pass writes OUT/embeddings for every scored row."""
+        clip = self.process.clip
+        return clip.enabled and (clip.mode == "top_fraction" or self.dedup.semantic.enabled)
+
+    def writing_pass_saves_embeddings(self) -> bool:
+        """The writing pass saves embeddings only when asked and no scoring pass did: its
+        rows are fewer (semantic duplicates skip CLIP), and rewriting the scoring pass's
+        files would change what a rerun's semantic pass reads."""
+        return self.process.clip.save_embeddings and not self.has_scoring_pass()
+
 
 class ConfigError(ValueError):
     """A configuration problem, reported before any work starts."""
