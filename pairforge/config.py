@@ -239,14 +239,36 @@ class RecaptionCacheConfig(Strict):
         "image's (null: off); same exclusions as phash_distance")
 
 
+class DetectorConfig(Strict):
+    """An open-vocabulary detector for grounding (recaption/detector.py): OWL-ViT or OWLv2."""
+
+    model: str = Field("google/owlv2-base-patch16-ensemble",
+                       description="hub id or local folder of an OWL-ViT/OWLv2 checkpoint "
+                       "(AutoModelForZeroShotObjectDetection with its processor)")
+    revision: str | None = None
+    min_score: float = Field(0.1, ge=0, le=1, description="a noun is supported when its best "
+                             "box scores at least this (sigmoid of the box's query logit; "
+                             "0.1 is OWL-ViT's own detection threshold)")
+    query: str = Field("a photo of a {noun}", pattern=r"\{noun\}",
+                       description="the text query per noun ({noun} is replaced)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on GPU")
+
+
 class GroundingConfig(Strict):
-    """Object nouns of a recaption checked against the image with the stage's CLIP model."""
+    """Object nouns of a recaption checked against the image: with the stage's CLIP model
+    (backend clip) or an open-vocabulary detector (backend detector)."""
 
     enabled: bool = True
-    min_score: float = Field(0.2, description="a noun is supported when the cosine similarity "
-                             "of the image and 'a photo of a NOUN' is at least this")
+    backend: Literal["clip", "detector"] = Field(
+        "clip", description="clip: cosine of the image and 'a photo of a NOUN' with the clip "
+        "section's model; detector: the best box of an OWL-ViT/OWLv2 query per noun")
+    min_score: float = Field(0.2, description="backend clip: a noun is supported when the "
+                             "cosine similarity of the image and 'a photo of a NOUN' is at "
+                             "least this")
     extra_nouns: list[str] = Field(default_factory=list,
                                    description="files of more object nouns, one per line")
+    detector: DetectorConfig = Field(default_factory=DetectorConfig)
 
 
 class RecaptionConfig(ModelPoolConfig):

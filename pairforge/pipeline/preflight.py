@@ -18,6 +18,7 @@ cluster the workers need the same cache (or a shared ``HF_HUB_CACHE``).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import uuid
@@ -25,7 +26,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from pairforge.config import ClassifierConfig, ClipConfig, ConfigError, PairforgeConfig
+from pairforge.config import (
+    ClassifierConfig,
+    ClipConfig,
+    ConfigError,
+    DetectorConfig,
+    PairforgeConfig,
+)
 
 Stage = Literal["download", "dedup", "process", "build"]
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
@@ -226,10 +233,13 @@ def model_problems(cfg: PairforgeConfig) -> list[str]:
     if process.tokenize.enabled:
         problems += _tokenizer_problems(cfg)
     rc = process.recaption
-    # grounding and the cache's embedding tier load the clip section's model
-    if process.clip.enabled or (rc.enabled and (rc.grounding.enabled
+    clip_grounding = rc.grounding.enabled and rc.grounding.backend == "clip"
+    # clip grounding and the cache's embedding tier load the clip section's model
+    if process.clip.enabled or (rc.enabled and (clip_grounding
                                                 or rc.cache.embedding_threshold is not None)):
         problems += _clip_problems(process.clip)
+    if rc.enabled and rc.grounding.enabled and rc.grounding.backend == "detector":
+        problems += _detector_problems(rc.grounding.detector)
     if rc.enabled and rc.backend == "transformers":
         problems += _source_problems("process.recaption.model", rc.model,
                                      [("config.json",), WEIGHT_FILES, PROCESSOR_FILES],
@@ -240,6 +250,31 @@ def model_problems(cfg: PairforgeConfig) -> list[str]:
     for i, entry in enumerate(process.classifiers):
         problems += _classifier_problems(cfg, i, entry)
     return problems
+
+
+def _detector_problems(detector: DetectorConfig) -> list[str]:
+    """An OWL-ViT/OWLv2 folder or cached hub id with weights and processor files; its
+    config.json names a model type the detector backend reads."""
+    key = "process.recaption.grounding.detector.model"
+    problems = list(_source_problems(key, detector.model,
+                                     [("config.json",), WEIGHT_FILES, PROCESSOR_FILES],
+                                     detector.revision))
+    if problems:
+        return problems
+    config = _config_json(detector.model, detector.revision)
+    if config is None:
+        return problems
+    from pairforge.recaption.detector import OWL_TYPES
+
+    try:
+        model_type = json.loads(Path(config).read_text()).get("model_type")
+    except (OSError, ValueError) as err:
+        return [f"{key}: cannot read {config} ({_reason(err)})"]
+    if model_type not in OWL_TYPES:
+        return [f"{key}: {detector.model} is a {model_type} model, not an open-vocabulary "
+                f"detector this backend reads ({' or '.join(OWL_TYPES)}: e.g. "
+                "google/owlv2-base-patch16-ensemble)"]
+    return []
 
 
 def _classifier_problems(cfg: PairforgeConfig, i: int, entry: ClassifierConfig) -> list[str]:

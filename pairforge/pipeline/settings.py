@@ -35,8 +35,9 @@ PERFORMANCE_KEYS = {"threads", "processes", "per_host_connections", "timeout", "
 OUTPUT_VERSIONS = {"download": 3, "process": 3}
 # Config keys naming model files whose bytes decide stage-3 output.
 MODEL_KEYS = ("process.clip.pretrained", "process.clip.model_config_path",
-              "process.recaption.model", "process.tokenize.image.path_or_id",
-              "process.tokenize.text.path_or_id")
+              "process.recaption.model", "process.recaption.grounding.detector.model",
+              "process.tokenize.image.path_or_id", "process.tokenize.text.path_or_id")
+_DETECTOR_KEYS = ("process.recaption.grounding.backend", "process.recaption.grounding.detector.")
 _SAMPLE_BYTES = 1 << 20  # a model file is fingerprinted by its size and its ends
 
 
@@ -90,6 +91,9 @@ def stage_settings(cfg: PairforgeConfig, stage: str) -> dict[str, Any]:
         # no classifiers is what shards made before they existed had: same digest
         if values.get("process.classifiers") == []:
             del values["process.classifiers"]
+        # the clip backend is what shards made before the detector existed had: same digest
+        if values.get("process.recaption.grounding.backend") == "clip":
+            values = {k: v for k, v in values.items() if not k.startswith(_DETECTOR_KEYS)}
         for key in (*MODEL_KEYS, *_classifier_model_keys(values)):
             path = values.get(key)
             if isinstance(path, str) and path and Path(path).exists():

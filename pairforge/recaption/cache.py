@@ -59,6 +59,13 @@ def _folder_digest(files: list[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
+def _config_digest(folder: Path) -> str | None:
+    """A local model's config.json digest (None for a hub id)."""
+    config_file = folder / "config.json"
+    return (hashlib.sha256(config_file.read_bytes()).hexdigest()[:16]
+            if config_file.is_file() else None)
+
+
 def cache_identity(cfg: PairforgeConfig) -> dict[str, Any]:
     """Everything besides the image that decides a cached caption."""
     rc = cfg.process.recaption
@@ -67,17 +74,20 @@ def cache_identity(cfg: PairforgeConfig) -> dict[str, Any]:
     for folder in rc.attribute_lexicons:
         lexicons += sorted(Path(folder).glob("*.txt"))
     lexicons += [Path(p) for p in rc.grounding.extra_nouns]
-    config_file = Path(rc.model) / "config.json"
     identity = {"backend": rc.backend, "model": rc.model, "revision": rc.revision,
                 "prompt": rc.prompt or DEFAULT_PROMPT, "prompt_mode": rc.prompt_mode,
                 "max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature,
                 "constrained": rc.constrained_decoding,
                 "logit_bias": rc.openai.logit_bias_tokenizer if rc.backend == "openai" else None,
-                "model_config": (hashlib.sha256(config_file.read_bytes()).hexdigest()[:16]
-                                 if config_file.is_file() else None),
+                "model_config": _config_digest(Path(rc.model)),
                 "lexicons": _folder_digest(lexicons)}
     clip = cfg.process.clip
-    if rc.grounding.enabled:
+    if rc.grounding.enabled and rc.grounding.backend == "detector":
+        detector = rc.grounding.detector
+        identity["grounding"] = {"detector": detector.model, "revision": detector.revision,
+                                 "min_score": detector.min_score, "query": detector.query,
+                                 "model_config": _config_digest(Path(detector.model))}
+    elif rc.grounding.enabled:
         identity["grounding"] = {"min_score": rc.grounding.min_score,
                                  "clip": f"{clip.model}/{clip.pretrained}"}
     if rc.cache.embedding_threshold is not None:  # stored vectors are this model's

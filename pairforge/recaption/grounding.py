@@ -1,20 +1,29 @@
-"""Grounding: the object nouns of a recaption, checked against the image with CLIP.
+"""Grounding: the object nouns of a recaption, checked against the image.
 
 A noun is one of the object nouns in ``data/objects.txt`` (plus user files), matched as
-whole words, longest phrase first ("fire hydrant" before "fire"), plurals included. Each
-noun found is scored as the cosine similarity of the image and "a photo of a NOUN" with the
-stage's CLIP model; below ``min_score`` the image does not support it.
+whole words, longest phrase first ("fire hydrant" before "fire"), plurals included. Two
+backends score each noun found, with the same answer (the nouns below the threshold), so
+the recaption step does not care which ran:
+
+* ``clip``: the cosine similarity of the image and "a photo of a NOUN" with the stage's
+  CLIP model (:class:`ClipGrounding`);
+* ``detector``: the best box score of an open-vocabulary detector (OWL-ViT, OWLv2) queried
+  with the caption's nouns (recaption/detector.py).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from PIL import Image
 
+from pairforge.config import GroundingConfig
 from pairforge.recaption.words import plural
 
 NOUN_FILE = "objects.txt"
@@ -52,11 +61,39 @@ class NounLexicon:
         return list(dict.fromkeys(found))
 
 
-class GroundingChecker:
+class Grounding(ABC):
+    """Which nouns of each caption its image does not support."""
+
+    #: the step hands over the clip model's image embeddings (computed once per batch)
+    uses_clip_embeddings = False
+
+    def __init__(self, lexicon: NounLexicon, min_score: float) -> None:
+        self.lexicon, self.min_score = lexicon, min_score
+
+    @abstractmethod
+    def scores(self, images: list[Image.Image], nouns: list[list[str]],
+               embeddings: list[Any]) -> list[list[float]]:
+        """Per image, a score for each of its nouns (higher: better supported)."""
+
+    def unsupported(self, images: list[Image.Image], captions: list[str | None],
+                    embeddings: list[Any] | None = None) -> list[list[str]]:
+        """Per caption, the nouns whose score against its image is below ``min_score``;
+        ``embeddings``: the images' clip embeddings when the backend uses them."""
+        nouns = [self.lexicon.nouns(caption) if caption else [] for caption in captions]
+        embeddings = embeddings if embeddings is not None else [None] * len(images)
+        scored = self.scores(images, nouns, embeddings)
+        return [[n for n, s in zip(names, values, strict=True) if s < self.min_score]
+                for names, values in zip(nouns, scored, strict=True)]
+
+
+class ClipGrounding(Grounding):
     """Scores nouns against images with a CLIP scorer (pairforge.filters.clip.ClipScorer)."""
 
+    uses_clip_embeddings = True
+
     def __init__(self, scorer, lexicon: NounLexicon, min_score: float) -> None:  # noqa: ANN001
-        self.scorer, self.lexicon, self.min_score = scorer, lexicon, min_score
+        super().__init__(lexicon, min_score)
+        self.scorer = scorer
         self._text_embeddings: dict[str, np.ndarray] = {}
 
     def _embed_nouns(self, nouns: list[str]) -> np.ndarray:
@@ -66,16 +103,28 @@ class GroundingChecker:
             self._text_embeddings.update(zip(new, vectors, strict=True))
         return np.stack([self._text_embeddings[n] for n in nouns])
 
-    def unsupported(self, image_embeddings: np.ndarray,
-                    captions: list[str | None]) -> list[list[str]]:
-        """Per caption, the nouns whose score against its image is below ``min_score``."""
-        result: list[list[str]] = []
-        for embedding, caption in zip(image_embeddings, captions, strict=True):
-            nouns = self.lexicon.nouns(caption) if caption else []
-            if not nouns:
-                result.append([])
-                continue
-            scores = self._embed_nouns(nouns) @ embedding
-            result.append([n for n, s in zip(nouns, scores, strict=True)
-                           if s < self.min_score])
-        return result
+    def scores(self, images: list[Image.Image], nouns: list[list[str]],
+               embeddings: list[Any]) -> list[list[float]]:
+        missing = [i for i, (names, e) in enumerate(zip(nouns, embeddings, strict=True))
+                   if names and e is None]
+        if missing:  # a caller without the clip step's vectors
+            computed = self.scorer.embed_images([images[i] for i in missing])
+            embeddings = list(embeddings)
+            for i, vector in zip(missing, computed, strict=True):
+                embeddings[i] = vector
+        return [(self._embed_nouns(names) @ np.asarray(e)).tolist() if names else []
+                for names, e in zip(nouns, embeddings, strict=True)]
+
+
+def load_grounding(cfg: GroundingConfig, device: str,
+                   clip: Callable[[], Any]) -> Grounding | None:
+    """The configured backend, or None when grounding is off; ``clip`` returns the clip
+    section's scorer (called only by the clip backend, so a detector loads no CLIP)."""
+    if not cfg.enabled:
+        return None
+    lexicon = NounLexicon(cfg.extra_nouns)
+    if cfg.backend == "detector":
+        from pairforge.recaption.detector import DetectorGrounding
+
+        return DetectorGrounding(cfg.detector, lexicon, device)
+    return ClipGrounding(clip(), lexicon, cfg.min_score)

@@ -5,16 +5,16 @@ embedding) answers first; else
 the row's image is claimed in the build's claim registry, and only the claimant runs the
 model, so duplicates within a build are captioned once. A generated caption is cleaned
 (one sentence, no boilerplate), passed through the people-attribute filter and the
-grounding check; if the filter could not rewrite it fluently or CLIP does not support one
-of its object nouns, the model tries once more with a stricter prompt, and if that fails
-too the sample abstains (no recaption). The training caption is chosen after this step,
-in recaption/choice.py.
+grounding check (CLIP or an open-vocabulary detector, recaption/grounding.py); if the
+filter could not rewrite it fluently or grounding does not support one of its object
+nouns, the model tries once more with a stricter prompt, and if that fails too the sample
+abstains (no recaption). The training caption is chosen after this step, in
+recaption/choice.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +26,6 @@ from PIL import Image
 from pairforge.config import ModelPoolConfig, PairforgeConfig
 from pairforge.filters.clip import ClipScorer
 from pairforge.images import decode_rgb, model_device
-from pairforge.recaption.backends import Captioner, load_captioner
 from pairforge.recaption.cache import (
     CachedCaption,
     CaptionCache,
@@ -34,8 +33,7 @@ from pairforge.recaption.cache import (
     cache_dir,
     write_part,
 )
-from pairforge.recaption.grounding import GroundingChecker, NounLexicon
-from pairforge.recaption.prompts import DEFAULT_PROMPT, STRICT_PROMPT, clean_caption
+from pairforge.recaption.checked import CheckedCaptioner
 from pairforge.recaption.registry import REGISTRY_PREFIX, find_registry, start_registry
 from pairforge.records import process_columns
 from pairforge.stage import ModelStep, StepResult
@@ -45,22 +43,6 @@ WAIT_FOR_CLAIMANT_S = 600.0
 
 def registry_name(cfg: PairforgeConfig) -> str:
     return REGISTRY_PREFIX + build_id(cfg)
-
-
-Checked = tuple[str, list[str], list[str]]  # caption, attribute flags, problems
-
-
-def _verdict(first: Checked, second: Checked | None) -> CachedCaption:
-    """The caption to keep from a first try and, when it had problems, the strict retry."""
-    caption, flags, problems = first
-    if not problems:
-        return CachedCaption(caption, tuple(flags))
-    assert second is not None
-    tried = tuple(f"regenerated:{p}" for p in problems)
-    caption, flags, again = second
-    if again:
-        return CachedCaption(None, tried + tuple(f"abstained:{p}" for p in again))
-    return CachedCaption(caption, tried + tuple(flags))
 
 
 def recaption_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -94,14 +76,10 @@ class RecaptionStep(ModelStep):
         return cfg.process.recaption
 
     def __init__(self, cfg: PairforgeConfig) -> None:
-        from pairforge.recaption.attributes import load_lexicon, neutralize
-
         super().__init__(cfg)
         rc = cfg.process.recaption
-        self.neutralize = neutralize
         self.device = model_device(rc)
-        self.prompt = rc.prompt or DEFAULT_PROMPT
-        self.lexicon = load_lexicon(rc.attribute_lexicons)
+        self.checked = CheckedCaptioner(cfg, self.device)
         self.cache = (CaptionCache.load(cache_dir(cfg), rc.cache.phash_distance,
                                         rc.cache.embedding_threshold)
                       if rc.cache.enabled else CaptionCache())
@@ -131,64 +109,15 @@ class RecaptionStep(ModelStep):
             row.pop("recaption_embedding", None)
         return recaption_stats(rows)
 
-    # The models load on first use: a build whose captions all come from the cache loads none.
-
-    @functools.cached_property
-    def captioner(self) -> Captioner:
-        from pairforge.recaption.constrain import blocked_words
-
-        rc = self.cfg.process.recaption
-        blocked = blocked_words(self.lexicon) if rc.constrained_decoding else None
-        return load_captioner(rc, self.device, blocked)
-
-    @functools.cached_property
+    @property
     def clip(self) -> ClipScorer:
-        """The clip section's model: grounding's scorer and the cache's embedding tier."""
-        return ClipScorer(self.cfg.process.clip, self.device)
-
-    @functools.cached_property
-    def grounding(self) -> GroundingChecker | None:
-        rc = self.cfg.process.recaption
-        if not rc.grounding.enabled:
-            return None
-        return GroundingChecker(self.clip, NounLexicon(rc.grounding.extra_nouns),
-                                rc.grounding.min_score)
-
-    # -- captioning with the safety checks --------------------------------------------------
-
-    def _check(self, text: str, embedding: np.ndarray | None) -> Checked:
-        """(caption, attribute flags, problems); no problems means the caption is usable."""
-        caption = clean_caption(text, self.prompt)
-        if not caption:
-            return "", [], ["empty"]
-        result = self.neutralize(caption, self.lexicon)
-        flags = [f"attribute:{term}" for term in result.removed]
-        problems = [] if result.fluent else ["not_fluent"]
-        if self.grounding is not None and embedding is not None:
-            unsupported = self.grounding.unsupported(embedding[None], [result.text])[0]
-            problems += [f"ungrounded:{noun}" for noun in unsupported]
-        return result.text, flags, problems
-
-    def _attempt(self, images: list[Image.Image], embeddings: list[Any],
-                 prompt: str) -> list[Checked]:
-        if not images:
-            return []
-        return [self._check(text, embedding) for text, embedding in zip(
-            self.captioner.generate(images, prompt), embeddings, strict=True)]
+        """The clip section's model, shared by clip grounding and the embedding tier."""
+        return self.checked.clip
 
     def caption_images(self, images: list[Image.Image],
                        embeddings: list[Any] | None = None) -> list[CachedCaption]:
-        """Caption, check, regenerate the failures once with the strict prompt, or abstain;
-        ``embeddings``: the images' CLIP embeddings when the caller has them."""
-        if self.grounding is not None and embeddings is None:
-            embeddings = list(self.clip.embed_images(images))
-        embeddings = embeddings if self.grounding is not None else [None] * len(images)
-        first = self._attempt(images, embeddings, self.prompt)
-        retry = [i for i, (_, _, problems) in enumerate(first) if problems]
-        second = dict(zip(retry, self._attempt([images[i] for i in retry],
-                                               [embeddings[i] for i in retry],
-                                               self.prompt + STRICT_PROMPT), strict=True))
-        return [_verdict(checked, second.get(i)) for i, checked in enumerate(first)]
+        """Captions with the safety checks (recaption/checked.py)."""
+        return self.checked.caption_images(images, embeddings)
 
     # -- the batch: cache, claims, generation -----------------------------------------------
 

@@ -1,0 +1,102 @@
+"""Captions made safe: generate, clean, filter attributes, ground, retry once, or abstain.
+
+The recaption step (recaption/step.py) wraps this with the cache and the build's claims;
+``pairforge recaption-eval`` (recaption/evaluate.py) runs the same code on a table of
+reference captions, so what the evaluation measures is what a build writes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from PIL import Image
+
+from pairforge.config import PairforgeConfig
+from pairforge.filters.clip import ClipScorer
+from pairforge.recaption.attributes import load_lexicon, neutralize
+from pairforge.recaption.backends import Captioner, load_captioner
+from pairforge.recaption.cache import CachedCaption
+from pairforge.recaption.grounding import Grounding, load_grounding
+from pairforge.recaption.prompts import DEFAULT_PROMPT, STRICT_PROMPT, clean_caption
+
+Checked = tuple[str, list[str], list[str]]  # caption, attribute flags, problems
+
+
+def _verdict(first: Checked, second: Checked | None) -> CachedCaption:
+    """The caption to keep from a first try and, when it had problems, the strict retry."""
+    caption, flags, problems = first
+    if not problems:
+        return CachedCaption(caption, tuple(flags))
+    assert second is not None
+    tried = tuple(f"regenerated:{p}" for p in problems)
+    caption, flags, again = second
+    if again:
+        return CachedCaption(None, tried + tuple(f"abstained:{p}" for p in again))
+    return CachedCaption(caption, tried + tuple(flags))
+
+
+class CheckedCaptioner:
+    """The configured captioning backend with the safety checks; the models load on first
+    use (a build whose captions all come from the cache loads none)."""
+
+    def __init__(self, cfg: PairforgeConfig, device: str) -> None:
+        rc = cfg.process.recaption
+        self.cfg, self.device = cfg, device
+        self.prompt = rc.prompt or DEFAULT_PROMPT
+        self.lexicon = load_lexicon(rc.attribute_lexicons)
+
+    @functools.cached_property
+    def captioner(self) -> Captioner:
+        from pairforge.recaption.constrain import blocked_words
+
+        rc = self.cfg.process.recaption
+        blocked = blocked_words(self.lexicon) if rc.constrained_decoding else None
+        return load_captioner(rc, self.device, blocked)
+
+    @functools.cached_property
+    def clip(self) -> ClipScorer:
+        """The clip section's model: clip grounding's scorer and the cache's embedding tier."""
+        return ClipScorer(self.cfg.process.clip, self.device)
+
+    @functools.cached_property
+    def grounding(self) -> Grounding | None:
+        return load_grounding(self.cfg.process.recaption.grounding, self.device,
+                              lambda: self.clip)
+
+    def _check(self, text: str) -> Checked:
+        """(caption, attribute flags, problems) before grounding; no problems means usable."""
+        caption = clean_caption(text, self.prompt)
+        if not caption:
+            return "", [], ["empty"]
+        result = neutralize(caption, self.lexicon)
+        flags = [f"attribute:{term}" for term in result.removed]
+        return result.text, flags, [] if result.fluent else ["not_fluent"]
+
+    def _attempt(self, images: list[Image.Image], embeddings: list[Any],
+                 prompt: str) -> list[Checked]:
+        if not images:
+            return []
+        checked = [self._check(text) for text in self.captioner.generate(images, prompt)]
+        if self.grounding is None:
+            return checked
+        # one grounding call per batch: the detector backend batches its images
+        unsupported = self.grounding.unsupported(images, [c or None for c, _, _ in checked],
+                                                 embeddings)
+        return [(caption, flags, problems + [f"ungrounded:{noun}" for noun in nouns])
+                for (caption, flags, problems), nouns in zip(checked, unsupported, strict=True)]
+
+    def caption_images(self, images: list[Image.Image],
+                       embeddings: list[Any] | None = None) -> list[CachedCaption]:
+        """Caption, check, regenerate the failures once with the strict prompt, or abstain;
+        ``embeddings``: the images' CLIP embeddings when the caller has them."""
+        clip_vectors = self.grounding is not None and self.grounding.uses_clip_embeddings
+        if clip_vectors and embeddings is None:  # once for both attempts
+            embeddings = list(self.clip.embed_images(images))
+        embeddings = embeddings if clip_vectors else [None] * len(images)
+        first = self._attempt(images, embeddings, self.prompt)
+        retry = [i for i, (_, _, problems) in enumerate(first) if problems]
+        second = dict(zip(retry, self._attempt([images[i] for i in retry],
+                                               [embeddings[i] for i in retry],
+                                               self.prompt + STRICT_PROMPT), strict=True))
+        return [_verdict(checked, second.get(i)) for i, checked in enumerate(first)]
