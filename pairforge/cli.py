@@ -292,6 +292,59 @@ def cost(path: PathArg,
         _data_console().print(escape(line), soft_wrap=True)
 
 
+@app.command("recaption-eval")
+def recaption_eval(
+    config: ConfigArg,
+    table: Annotated[Path, typer.Argument(
+        metavar="REFS", help="table (.parquet, .csv, .jsonl) of image paths, reference "
+        "captions and stratum columns")],
+    stratum: Annotated[list[str] | None, typer.Option(
+        "--stratum", metavar="COLUMN", help="a column whose values are the strata "
+        "(repeatable) [default: evaluation.strata]")] = None,
+    max_gap: Annotated[list[str] | None, typer.Option(
+        "--max-gap", metavar="METRIC=VALUE", help="the largest gap allowed between strata, "
+        "e.g. --max-gap cider_d=0.5 (cider_d, hallucination, specificity, abstention; none "
+        "lifts a bound; repeatable) [default: evaluation.max_gap]")] = None,
+    output: Annotated[Path | None, typer.Option(
+        "--json", metavar="FILE", help="write the figures, the gaps and every caption as "
+        "JSON")] = None,
+    set_: SetOpt = None,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="no progress lines on stderr")] = False) -> None:
+    """Caption a table of images with the configured recaption step and measure it per
+    stratum: CIDEr-D, hallucination, specificity, abstention; exit 1 when a gap between
+    strata exceeds its bound."""
+    from pairforge.pipeline.preflight import recaption_problems
+    from pairforge.recaption import evaluate
+
+    cfg = _load(config, set_)
+    cfg.process.recaption.enabled = True  # what is evaluated is the recaption step
+    strata = list(stratum or cfg.evaluation.strata)
+    bounds = _run_guarded(evaluate.parse_bounds, cfg.evaluation, max_gap or [])
+    rows = _run_guarded(evaluate.read_table, table, cfg.evaluation, strata)
+    problems = recaption_problems(cfg)
+    if problems:
+        raise _user_error(ConfigError("recaption-eval cannot start:\n  " + "\n  ".join(problems)))
+
+    def progress(done: int, total: int) -> None:
+        if not quiet:
+            console.print(f"captioned {done}/{total}", highlight=False)
+
+    evaluate.caption_rows(cfg, rows, progress)
+    result = evaluate.summarize(rows, strata, cfg.evaluation, bounds)
+    out = _data_console()
+    for view in evaluate.tables(result):
+        out.print(view)
+    if output is not None:
+        output.write_text(json.dumps({"table": str(table), **result}, indent=1))
+        console.print(f"→ {output}", highlight=False)
+    failures = evaluate.verdict(result)
+    for line in failures:
+        console.print(f"[red]gap too large:[/red] {escape(line)}")
+    if failures:
+        raise typer.Exit(1)
+
+
 @app.command("eval")
 def eval_run(
     run: Annotated[str, typer.Argument(help="training run folder (or its checkpoint.pt)")],

@@ -410,6 +410,36 @@ class CostConfig(Strict):
     images_per_day: int = Field(1_000_000, ge=0, description="the projected on-demand rate")
 
 
+class GapBounds(Strict):
+    """The largest difference allowed between two strata's values, per metric (null: no
+    bound). A gap past a bound makes ``pairforge recaption-eval`` exit 1."""
+
+    cider_d: float | None = Field(None, ge=0, description="CIDEr-D (its scale depends on the "
+                                  "references: set it per table)")
+    hallucination: float | None = Field(0.05, ge=0, description="share of images whose "
+                                        "caption named an object grounding did not support")
+    specificity: float | None = Field(None, ge=0, description="supported object nouns per "
+                                      "caption")
+    abstention: float | None = Field(0.05, ge=0, description="share of images left without a "
+                                     "caption")
+
+
+class EvaluationConfig(Strict):
+    """``pairforge recaption-eval``: the recaption step on a table of reference captions,
+    measured per stratum (pairforge/recaption/evaluate.py)."""
+
+    image_col: str = Field("image", description="the table's column of local image paths "
+                           "(relative to the table's folder, or absolute)")
+    reference_cols: list[str] = Field(
+        default_factory=lambda: ["reference"], min_length=1,
+        description="columns of reference captions (text, or a list of texts per row)")
+    strata: list[str] = Field(default_factory=list, description="columns whose values are "
+                              "the strata, each compared on its own (also --stratum)")
+    min_rows: int = Field(5, ge=1, description="strata with fewer rows are reported but not "
+                          "held to the bounds (too few to tell a gap from noise)")
+    max_gap: GapBounds = Field(default_factory=GapBounds)
+
+
 class PairforgeConfig(Strict):
     input: InputConfig
     output: OutputConfig = Field(default_factory=OutputConfig)
@@ -418,6 +448,7 @@ class PairforgeConfig(Strict):
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     process: ProcessConfig = Field(default_factory=ProcessConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
 
     @model_validator(mode="after")
     def _semantic_needs_clip(self) -> PairforgeConfig:

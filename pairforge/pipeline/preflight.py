@@ -60,6 +60,12 @@ def preflight(cfg: PairforgeConfig, stage: Stage) -> None:
         raise ConfigError(f"{stage} cannot start:\n  " + "\n  ".join(problems))
 
 
+def recaption_problems(cfg: PairforgeConfig) -> list[str]:
+    """What the recaption step alone needs (``pairforge recaption-eval``): its models, its
+    server, its word lists."""
+    return model_problems(cfg) + server_problems(cfg) + word_list_problems(cfg)
+
+
 def check_model_sources(cfg: PairforgeConfig) -> None:
     """Raise ``ConfigError`` naming each config key whose model cannot be found."""
     problems = model_problems(cfg)
