@@ -417,6 +417,56 @@ def test_phash_is_imagehash_phash(image):
     assert phash_u64(image) == _imagehash_u64(image)
 
 
+def _pillow_hashes(image: Image.Image) -> tuple[int, ...]:
+    """perceptual_hashes as it was written before the thumbnails became matrix products:
+    Pillow's Lanczos resize of each box, np.median of each block."""
+    from pairforge.filters import hashing
+
+    grey = hashing._intermediate(image)
+    side = hashing._INTERMEDIATE_SIDE
+    hashes = []
+    for fraction in (1.0, *hashing.CROP_FRACTIONS):
+        margin = side * (1 - fraction) / 2
+        box = (margin, margin, side - margin, side - margin)
+        thumb = grey.resize((32, 32), Image.Resampling.LANCZOS, box=box)
+        low = np.round(hashing._DCT_ROWS @ np.asarray(thumb, dtype=np.float64)
+                       @ hashing._DCT_ROWS.T, 6)
+        for block in (low, low * hashing._MIRROR_SIGN):
+            bits = block > np.median(block)
+            hashes.append(int.from_bytes(np.packbits(bits).tobytes(), "big"))
+    return tuple(hashes)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_thumbnails_are_pillows_lanczos_bit_for_bit(seed):
+    from pairforge.filters import hashing
+
+    rng = np.random.default_rng(seed)
+    kinds = [rng.integers(0, 256, (128, 128)),  # noise: every rounding and clip in play
+             (rng.random((128, 128)) > 0.5) * 255,  # hard edges: overshoot past 0 and 255
+             np.full((128, 128), rng.integers(0, 256))]
+    for pixels in kinds:
+        grey = Image.fromarray(pixels.astype(np.uint8), "L")
+        ours = hashing._thumbnails(grey)
+        for thumb, fraction in zip(ours, (1.0, *hashing.CROP_FRACTIONS), strict=True):
+            margin = 128 * (1 - fraction) / 2
+            box = (margin, margin, 128 - margin, 128 - margin)
+            expected = grey.resize((32, 32), Image.Resampling.LANCZOS, box=box)
+            assert np.array_equal(thumb, np.asarray(expected)), (seed, fraction)
+
+
+@pytest.mark.parametrize("image", [
+    noise(300, 200, seed=4), smooth(640, 480), blobs(1200, 900, seed=5), blobs(50, 40),
+    Image.new("RGB", (100, 100), (3, 4, 5)),
+], ids=["noise", "smooth", "blobs", "small", "flat"])
+def test_perceptual_hashes_match_the_pillow_reference(image):
+    from pairforge.filters.hashing import perceptual_hashes
+
+    found = perceptual_hashes(image)
+    assert (found.phash, found.phash_mirror, *found.crop_phashes) == _pillow_hashes(image)
+    assert phash_u64(image) == found.phash
+
+
 def test_exif_none_without_exif():
     assert ok(process_image(encode(smooth(64, 64), "JPEG"), ImageConfig())).exif is None
 
