@@ -11,7 +11,10 @@ storage does not change the result.
 
 from __future__ import annotations
 
+import io
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from typing import Any
 import fsspec
 import pyarrow.parquet as pq
 import pytest
+import webdataset as wds
 from cluster_utils import finish, start_build
 from conftest import CLUSTER_IMAGES, CLUSTER_SHARD_SIZE
 
@@ -154,3 +158,60 @@ def test_losing_the_model_node_mid_stage_3_gives_the_same_output(ray_cluster, s3
 
 def _jobs(placement: dict[str, list[dict[str, Any]]]) -> set[str]:
     return {t["job"] for t in placement["tasks"]} | {a["job"] for a in placement["actors"]}
+
+
+# ------------------------------------------------ the reference build went through S3
+
+def _pipe_url(url: str, storage_options: dict[str, Any]) -> str:
+    """A webdataset ``pipe:`` URL that streams one object through fsspec."""
+    code = ("import fsspec, json, shutil, sys; "
+            "f = fsspec.open(sys.argv[1], 'rb', **json.loads(sys.argv[2])).open(); "
+            "shutil.copyfileobj(f, sys.stdout.buffer)")
+    return "pipe:" + " ".join(shlex.quote(a) for a in
+                              [sys.executable, "-c", code, url, json.dumps(storage_options)])
+
+
+def test_build_reads_and_writes_s3(s3_server, s3_cluster_build, monkeypatch):
+    """The whole build went through S3: input list, raw shards, dedup tables, training
+    shards, stats, manifest; nothing local, nothing temporary; webdataset reads it back."""
+    for name, value in s3_server.env.items():  # this process reads S3: moto only, never AWS
+        monkeypatch.setenv(name, value)
+    bucket, opts = s3_cluster_build["bucket"], s3_server.storage_options
+    assert sorted(p.name for p in (s3_cluster_build["folder"] / "run").iterdir()) == [
+        "build.yaml"]  # the driver wrote nothing to local disk
+    fs = fsspec.filesystem("s3", **opts)
+    fs.invalidate_cache()
+    keys = {k.split("/out/", 1)[1] for k in fs.find(f"{bucket}/out")}
+    for i in range(CLUSTER_IMAGES // CLUSTER_SHARD_SIZE):
+        for folder in ("raw", "shards"):
+            assert {f"{folder}/{i:05d}.tar", f"{folder}/{i:05d}.parquet",
+                    f"{folder}/{i:05d}_stats.json"} <= keys
+    assert {"dedup/duplicates.parquet", "dedup/index.parquet", "dedup/dedup_stats.json",
+            "manifest.json", "sizes.json", "index.wids.json"} <= keys
+    assert not [k for k in keys if ".tmp-" in k]
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+
+    manifest = json.loads(fs.cat(f"{bucket}/out/manifest.json"))
+    assert manifest["funnel"]["input_rows"] == CLUSTER_IMAGES
+    assert manifest["funnel"]["download"]["http_error"] == 1
+    with fs.open(f"{bucket}/out/shards/00000.parquet", "rb") as f:
+        assert pq.read_table(f).num_rows == CLUSTER_SHARD_SIZE
+    sizes = json.loads(fs.cat(f"{bucket}/out/sizes.json"))
+
+    # Plain webdataset over the same storage: every sample exactly once, and complete.
+    urls = [_pipe_url(f"s3://{bucket}/out/shards/{name}", opts) for name in sorted(sizes)]
+    samples = list(wds.WebDataset(urls, shardshuffle=False))
+    assert len(samples) == sum(sizes.values()) == manifest["totals"]["samples"] > 0
+    assert len({s["__key__"] for s in samples}) == len(samples)
+    for sample in samples:
+        assert {"jpg", "txt", "json", "vq.npy", "tok.npy"} <= set(sample)
+        assert json.loads(sample["json"])["task"] in ("t2i", "i2t", "img")
+    tokens = sum(_npy(s["vq.npy"]).size for s in samples)
+    assert tokens == sum(t["image_tokens"] for t in manifest["totals"]["tasks"].values())
+
+
+def _npy(data: bytes) -> Any:
+    import numpy as np
+
+    return np.load(io.BytesIO(data))
+

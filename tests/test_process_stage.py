@@ -284,20 +284,21 @@ def test_task_workers_outlive_pauses_while_actors_hold_the_cpus(ray_local):
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_gives_same_output(tmp_path, coco_raw, tiny_clip):
-    def cli(out: Path, hold_last_shard: bool = False) -> subprocess.Popen:
-        cfg_path = tmp_path / f"{out.name}.yaml"
+def test_resume_after_sigkill_gives_same_output(tmp_path, coco_raw, tiny_clip, ray_local):
+    """The CLI killed with SIGKILL while its last shard is held; the rerun (in this process)
+    completes it as one whole run would, to the bit (the same batch size: batching moves
+    CLIP's scores in the last float bits)."""
+    def config(out: Path) -> dict:
         cfg = _config(out, tiny_clip, mode="threshold", threshold=-1.0)
         cfg["process"]["clip"]["batch_size"] = 2
-        cfg_path.write_text(yaml.safe_dump(cfg))
-        entry = ([str(Path(__file__).with_name("hold_last_shard.py"))] if hold_last_shard
-                 else ["-m", "pairforge.cli"])
-        return subprocess.Popen([sys.executable, *entry, "process", str(cfg_path), "-q"],
-                                start_new_session=True, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
+        return cfg
 
     killed = _fresh_out(tmp_path / "k", coco_raw)
-    proc = cli(killed, hold_last_shard=True)
+    cfg_path = tmp_path / "killed.yaml"
+    cfg_path.write_text(yaml.safe_dump(config(killed)))
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("hold_last_shard.py")),
+                             "process", str(cfg_path), "-q"], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 180
     while not list((killed / "shards").glob("*_stats.json")):
         assert proc.poll() is None, proc.stderr.read().decode()
@@ -306,9 +307,9 @@ def test_resume_after_sigkill_gives_same_output(tmp_path, coco_raw, tiny_clip):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert len(list((killed / "shards").glob("*_stats.json"))) < 4
-    assert cli(killed).wait() == 0
+    run_process(parse_config(config(killed)), show_progress=False)
     whole = _fresh_out(tmp_path / "w", coco_raw)
-    assert cli(whole).wait() == 0
+    run_process(parse_config(config(whole)), show_progress=False)
     assert _rows(killed) == _rows(whole)
     assert _tar_keys(killed) == _tar_keys(whole)
     assert not [p for p in (killed / "shards").iterdir() if ".tmp-" in p.name]
