@@ -616,6 +616,18 @@ def test_https_untrusted_cert_refused(monkeypatch: pytest.MonkeyPatch,
     assert https_server.requests_seen == 0
 
 
+def test_tls_context_is_made_at_the_first_https_url(monkeypatch: pytest.MonkeyPatch,
+                                                    http_server: LoopbackServer,
+                                                    https_server: LoopbackServer) -> None:
+    # Loading the CA store costs ~60 ms of CPU: a shard of http URLs never pays it.
+    loopback_localhost(monkeypatch)
+    with make_fetcher() as f:
+        assert f.fetch(http_server.url("/img/red.jpg")).status == Status.OK
+        assert f._ssl_context is None
+        f.fetch(f"https://localhost:{https_server.port}/img/red.jpg")
+        assert isinstance(f._ssl_context, ssl.SSLContext)
+
+
 def test_https_hostname_checked(https_server: LoopbackServer,
                                 localhost_cert: tuple[Path, Path]) -> None:
     # The certificate names localhost; asking for 127.0.0.1 must fail verification.

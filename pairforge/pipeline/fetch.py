@@ -373,8 +373,10 @@ class Fetcher:
                  max_idle_connections: int = 256) -> None:
         self.cfg = cfg
         self.guard = AddressGuard(cfg.allow_addresses)
-        # One verifying context for every connection (wrap_socket is thread-safe).
-        self._ssl_context = ssl_context or ssl.create_default_context()
+        # One verifying context for every connection (wrap_socket is thread-safe), made at
+        # the first https URL: loading the CA store costs ~60 ms of CPU per shard task.
+        self._ssl_context = ssl_context
+        self._ssl_lock = threading.Lock()
         self._pool = _ConnectionPool(cfg.per_host_connections, max_idle_connections)
         self._host_slots: dict[str, threading.BoundedSemaphore] = {}
         self._slots_lock = threading.Lock()
@@ -547,8 +549,14 @@ class Fetcher:
     def _new_connection(self, target: _Target) -> _Connection:
         if target.scheme == "https":
             return _GuardedHTTPSConnection(target.host, target.port, self.guard,
-                                           self._ssl_context)
+                                           self._tls_context())
         return _GuardedHTTPConnection(target.host, target.port, self.guard)
+
+    def _tls_context(self) -> ssl.SSLContext:
+        with self._ssl_lock:
+            if self._ssl_context is None:
+                self._ssl_context = ssl.create_default_context()
+            return self._ssl_context
 
     def _exchange(self, conn: _Connection, target: _Target,
                   deadline_at: float) -> http.client.HTTPResponse:
