@@ -210,3 +210,21 @@ def test_existing_tar_is_reprocessed_without_network(tmp_path, name):
     assert [r["height"] for r in table] == [64, 64, 64]
     assert [r["sha256"] for r in table] == [
         hashlib.sha256(p).hexdigest() for p in (photos[1], photos[0], photos[2])]
+
+
+def test_local_ray_runs_without_the_log_and_autoscaler_monitors(ray_local):
+    """init_ray leaves out two polling processes nothing of ours reads (ray_runtime)."""
+    import ray
+    from ray._private import ray_constants
+
+    processes = ray._private.worker._global_node.all_processes
+    assert ray_constants.PROCESS_TYPE_RAYLET in processes
+    assert ray_constants.PROCESS_TYPE_LOG_MONITOR not in processes
+    assert ray_constants.PROCESS_TYPE_MONITOR not in processes
+
+    @ray.remote(num_cpus=1)
+    def fails() -> None:
+        raise ValueError("a task's error still reaches the driver")
+
+    with pytest.raises(ValueError, match="still reaches the driver"):
+        ray.get(fails.remote())

@@ -41,6 +41,38 @@ def _stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
+@contextmanager
+def _without_idle_daemons() -> Iterator[None]:
+    """A local instance without the log monitor and the autoscaler monitor.
+
+    The log monitor tails every worker's log files to forward them to the driver, which
+    ``log_to_driver=False`` never shows; the monitor autoscales a cluster of one fixed
+    node. Each is a Python process that imports Ray and then polls: 1.4 and 1.1 s of CPU
+    in a short run on the (loaded) build machine, ~0.5 ms per image at 5,000 rows
+    (bench/RESULTS.md, stage 1). ``ray start`` has flags for both (--include-log-monitor,
+    --no-monitor), ``ray.init`` none, so its parameters are set on the way in; a cluster
+    (``address``) is joined as it is. A Ray without these attributes starts as it always
+    does.
+    """
+    try:
+        from ray._private.parameter import RayParams
+    except ImportError:
+        yield
+        return
+    original = RayParams.__init__
+
+    def quiet(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.include_log_monitor = False
+        self.no_monitor = True
+
+    RayParams.__init__ = quiet
+    try:
+        yield
+    finally:
+        RayParams.__init__ = original
+
+
 def local_system_config(cfg: RayConfig) -> dict[str, Any]:
     """Ray settings of a local instance (a cluster sets them with ``RAY_<name>`` at
     ``ray start``). Ray kills idle workers beyond one per CPU after a second, and actors
@@ -65,9 +97,10 @@ def init_ray(cfg: RayConfig) -> None:
         if address:
             ray.init(address=address, **common)
         else:
-            ray.init(num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory,
-                     include_dashboard=False, _system_config=local_system_config(cfg),
-                     **common)
+            with _without_idle_daemons():
+                ray.init(num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory,
+                         include_dashboard=False, _system_config=local_system_config(cfg),
+                         **common)
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     from ray.data import DataContext
