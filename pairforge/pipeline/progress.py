@@ -4,30 +4,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+# The actor class lives in a module that imports nothing heavy (its worker imports it).
+from pairforge.pipeline.counter import ProgressCounter as ProgressCounter
 from pairforge.records import Status
 
 # messages keep paths and keys in one piece: no wrapping inserted at the terminal width
 console = Console(stderr=True, soft_wrap=True)
 LOG = logging.getLogger("pairforge")
-
-
-class ProgressCounter:
-    """Ray actor body: tasks add per-status counts; the driver reads the running total."""
-
-    def __init__(self) -> None:
-        self.counts: Counter = Counter()
-
-    def add(self, delta: dict[str, int]) -> None:
-        self.counts.update(delta)
-
-    def total(self) -> dict[str, int]:
-        return dict(self.counts)
 
 
 def format_duration(seconds: float) -> str:
