@@ -151,6 +151,37 @@ def test_top_fraction_keeps_exactly_the_highest_scores(tmp_path, coco_raw, tiny_
     assert np.allclose(np.linalg.norm(embeddings, axis=1), 1, atol=1e-4)
 
 
+def test_cached_scores_are_reused_only_under_the_same_settings(tmp_path, coco_raw, tiny_clip,
+                                                                ray_local):
+    """As if killed after CLIP's scoring pass (score files, no training shard): a rerun
+    under the same settings trusts the cached scores; under others it scores again."""
+    import pyarrow as pa
+
+    out = _fresh_out(tmp_path, coco_raw)
+    cfg = _config(out, tiny_clip, mode="top_fraction", top_fraction=0.25)
+    run_process(parse_config(cfg), show_progress=False)
+    real = {k: r["clip_score"] for k, r in _rows(out).items() if r["clip_score"] is not None}
+
+    def killed_after_scoring(digest: bytes | None) -> None:
+        shutil.rmtree(out / "shards")
+        for path in (out / "clip").glob("*.parquet"):
+            table = pq.read_table(path)
+            forged = pa.array([None if s is None else 0.5 for s in table["clip_score"].to_pylist()],
+                              pa.float32())
+            table = table.set_column(table.schema.get_field_index("clip_score"), "clip_score",
+                                     forged)
+            pq.write_table(table.replace_schema_metadata(
+                {b"pairforge.settings": digest} if digest else table.schema.metadata), path)
+
+    killed_after_scoring(None)  # the digest as written: this run's settings
+    run_process(parse_config(cfg), show_progress=False)
+    assert {k: r["clip_score"] for k, r in _rows(out).items() if k in real} == dict.fromkeys(
+        real, 0.5)
+    killed_after_scoring(b"0123456789abcdef")  # made under other settings
+    run_process(parse_config(cfg), show_progress=False)
+    assert {k: r["clip_score"] for k, r in _rows(out).items() if k in real} == real
+
+
 def test_two_model_pools_do_not_hang_two_cores(tmp_path, coco_raw, tiny_clip, ray_local,
                                               monkeypatch):
     """Two CLIP pools of two actors each on a 2-CPU Ray: fractional CPUs keep it moving."""

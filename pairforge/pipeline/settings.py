@@ -15,9 +15,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from pairforge.config import ConfigError, PairforgeConfig
 from pairforge.shards.raw import completed_shards, stats_name
-from pairforge.shards.storage import RAW_FOLDER, SCORES_FOLDER, SHARDS_FOLDER, OutputDir
+from pairforge.shards.storage import (
+    EMBEDDINGS_FOLDER,
+    RAW_FOLDER,
+    SCORES_FOLDER,
+    SHARDS_FOLDER,
+    OutputDir,
+)
 
 # Config sections that decide each stage's bytes.
 STAGE_SECTIONS = {"download": ("input", "download"), "process": ("dedup", "process")}
@@ -184,6 +192,30 @@ def process_expected(out: OutputDir, cfg: PairforgeConfig, shard_ids: set[int],
     return expected
 
 
+SCORES_DIGEST_KEY = b"pairforge.settings"  # a score file's schema metadata
+
+
+def drop_stale_scores(out: OutputDir, cfg: PairforgeConfig, raw_digest: str | None) -> list[int]:
+    """CLIP's scoring pass caches scores (and embeddings) per shard; a rerun reuses them
+    only when they were made under this run's stage 3 settings. The rest go (a score file
+    is a cache, so no --force is needed), e.g. those of a run killed after its scoring pass
+    that is rerun with another CLIP model. Returns the shard ids dropped."""
+    stale = []
+    ids = {int(name.split(".")[0]) for name in out.glob(f"{SCORES_FOLDER}/*.parquet")}
+    expected = process_expected(out, cfg, ids & completed_shards(out, RAW_FOLDER), raw_digest)
+    for shard_id in sorted(ids):
+        name = f"{shard_id:05d}"
+        with out.fs.open(out.path(SCORES_FOLDER, f"{name}.parquet"), "rb") as f:
+            recorded = (pq.read_schema(f).metadata or {}).get(SCORES_DIGEST_KEY, b"").decode()
+        if shard_id in expected and recorded == settings_digest(expected[shard_id]):
+            continue
+        stale.append(shard_id)
+        out.remove(SCORES_FOLDER, f"{name}.parquet")
+        out.remove(EMBEDDINGS_FOLDER, f"{name}.npy")
+        out.remove(EMBEDDINGS_FOLDER, f"{name}_keys.json")
+    return stale
+
+
 def check_settings(cfg: PairforgeConfig, stages: tuple[str, ...], force: bool = False) -> None:
     """Before any work: every complete shard the stages would skip was made under this
     run's settings, or (``force``) it is marked incomplete and redone. All changes of all
@@ -198,3 +230,5 @@ def check_settings(cfg: PairforgeConfig, stages: tuple[str, ...], force: bool = 
         done = completed_shards(out, SHARDS_FOLDER) & completed_shards(out, RAW_FOLDER)
         checks.append(("process", SHARDS_FOLDER, process_expected(out, cfg, done, raw_digest)))
     check_rerun(out, checks, force)
+    if "process" in stages:
+        drop_stale_scores(out, cfg, raw_digest)

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from pairforge.config import PairforgeConfig
 from pairforge.pipeline.plan import ShardPlan
-from pairforge.pipeline.settings import settings_record
+from pairforge.pipeline.settings import SCORES_DIGEST_KEY, settings_digest, settings_record
 from pairforge.pipeline.stream import read_raw
 from pairforge.records import (
     PER_SHARD_STATS,
@@ -72,7 +72,10 @@ def write_scores_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
     if "clip_embedding" in results.column_names:
         write_embeddings(out, plan.shard_id, table["key"].to_pylist(),
                          results["clip_embedding"].to_pylist())
-    # The score file is the completion marker of this pass, so it is written last.
+    # The score file is the completion marker of this pass, so it is written last; it names
+    # the settings it was made under (a rerun under others drops it: drop_stale_scores).
+    table = table.replace_schema_metadata(
+        {SCORES_DIGEST_KEY: settings_digest(plan.settings).encode()})
     with out.open_atomic(SCORES_FOLDER, f"{shard_name(plan.shard_id)}.parquet") as f:
         pq.write_table(table, f)
     return {"shard": plan.shard_id, "count": table.num_rows}
