@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from pairforge.config import ClassifierConfig, ModelPoolConfig, PairforgeConfig
-from pairforge.images import decode_rgb, model_device
+from pairforge.images import decode_rgb, model_device, model_dtype
 from pairforge.records import Status, classifier_columns
 from pairforge.stage import ModelStep, StepResult
 
@@ -162,14 +162,11 @@ class TransformersClassifier:
     probability of one label per image."""
 
     def __init__(self, entry: ClassifierConfig, device: str = "cpu") -> None:
-        import torch
         from transformers import AutoImageProcessor, AutoModelForImageClassification
 
         self.device = device
         self.processor = AutoImageProcessor.from_pretrained(entry.model, revision=entry.revision)
-        dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
-                 "float32": torch.float32, "bfloat16": torch.bfloat16,
-                 "float16": torch.float16}[entry.dtype]
+        dtype = model_dtype(entry.dtype, device)
         self.model = AutoModelForImageClassification.from_pretrained(
             entry.model, revision=entry.revision, dtype=dtype).to(device).eval()
         config = self.model.config

@@ -18,6 +18,7 @@ from typing import Any
 from PIL import Image
 
 from pairforge.config import RecaptionConfig
+from pairforge.images import model_dtype
 from pairforge.recaption.constrain import WordBlocker
 from pairforge.retry import backoff_seconds
 
@@ -36,7 +37,6 @@ class TransformersCaptioner(Captioner):
 
     def __init__(self, cfg: RecaptionConfig, device: str = "cpu",
                  blocked: list[str] | None = None) -> None:
-        import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         self.cfg, self.device = cfg, device
@@ -44,9 +44,7 @@ class TransformersCaptioner(Captioner):
         tokenizer = getattr(self.processor, "tokenizer", None)
         if tokenizer is not None:
             tokenizer.padding_side = "left"  # batched generation continues every row's end
-        dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
-                 "float32": torch.float32, "bfloat16": torch.bfloat16,
-                 "float16": torch.float16}[cfg.dtype]
+        dtype = model_dtype(cfg.dtype, device)
         self.model = AutoModelForImageTextToText.from_pretrained(
             cfg.model, revision=cfg.revision, dtype=dtype).to(device).eval()
         self.mode = self._prompt_mode()

@@ -19,6 +19,7 @@ from typing import Any
 from PIL import Image
 
 from pairforge.config import DetectorConfig
+from pairforge.images import model_dtype
 from pairforge.recaption.grounding import Grounding, NounLexicon
 
 # model_type values whose outputs this module reads (logits per box and query)
@@ -30,15 +31,12 @@ class DetectorGrounding(Grounding):
     processor, by hub id or local folder."""
 
     def __init__(self, cfg: DetectorConfig, lexicon: NounLexicon, device: str = "cpu") -> None:
-        import torch
         from transformers import AutoModelForZeroShotObjectDetection, AutoProcessor
 
         super().__init__(lexicon, cfg.min_score)
         self.cfg, self.device = cfg, device
         self.processor = AutoProcessor.from_pretrained(cfg.model, revision=cfg.revision)
-        dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
-                 "float32": torch.float32, "bfloat16": torch.bfloat16,
-                 "float16": torch.float16}[cfg.dtype]
+        dtype = model_dtype(cfg.dtype, device)
         self.model = AutoModelForZeroShotObjectDetection.from_pretrained(
             cfg.model, revision=cfg.revision, dtype=dtype).to(device).eval()
         model_type = getattr(self.model.config, "model_type", None)
