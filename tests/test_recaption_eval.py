@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.json  # noqa: F401 - pa.json in the format test
 import pyarrow.parquet as pq
 import pytest
 import yaml

@@ -71,11 +71,13 @@ def _read_arrow(path: Path) -> Any:
 
 
 def _text_columns(path: Path) -> dict[str, Any]:
+    import csv
+
     import pyarrow as pa
 
-    header = path.read_text(encoding="utf-8").splitlines()[:1]
-    names = header[0].split(",") if header else []
-    return {name.strip().strip('"'): pa.string() for name in names}
+    with open(path, newline="", encoding="utf-8") as f:
+        names = next(csv.reader(f), [])
+    return {name: pa.string() for name in names}
 
 
 def _references(value: Any) -> list[str]:

@@ -1,15 +1,15 @@
 """The recaption step of stage 3: a VLM caption per image, made safe, cached by image.
 
 For each ok row: the cache (pixel hash, optionally perceptual hash and CLIP image
-embedding) answers first; else
-the row's image is claimed in the build's claim registry, and only the claimant runs the
-model, so duplicates within a build are captioned once. A generated caption is cleaned
-(one sentence, no boilerplate), passed through the people-attribute filter and the
-grounding check (CLIP or an open-vocabulary detector, recaption/grounding.py); if the
-filter could not rewrite it fluently or grounding does not support one of its object
-nouns, the model tries once more with a stricter prompt, and if that fails too the sample
-abstains (no recaption). The training caption is chosen after this step, in
-recaption/choice.py.
+embedding) answers first; else the row's image is claimed in the build's claim registry,
+and only the claimant runs the model, so duplicates within a build are captioned once.
+Captioning itself is recaption/checked.py's (shared with ``pairforge recaption-eval``): a
+generated caption is cleaned (one sentence, no boilerplate), passed through the
+people-attribute filter and the grounding check (CLIP or an open-vocabulary detector,
+recaption/grounding.py); if the filter could not rewrite it fluently or grounding does
+not support one of its object nouns, the model tries once more with a stricter prompt,
+and if that fails too the sample abstains (no recaption). The training caption is chosen
+after this step, in recaption/choice.py.
 """
 
 from __future__ import annotations
