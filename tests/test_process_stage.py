@@ -179,7 +179,8 @@ def test_cached_scores_are_reused_only_under_the_same_settings(tmp_path, coco_ra
         real, 0.5)
     killed_after_scoring(b"0123456789abcdef")  # made under other settings
     run_process(parse_config(cfg), show_progress=False)
-    assert {k: r["clip_score"] for k, r in _rows(out).items() if k in real} == real
+    rescored = {k: r["clip_score"] for k, r in _rows(out).items() if k in real}
+    assert rescored == pytest.approx(real, abs=1e-5)  # batches may group rows differently
 
 
 def test_two_model_pools_do_not_hang_two_cores(tmp_path, coco_raw, tiny_clip, ray_local,
