@@ -172,10 +172,13 @@ def test_preflight_names_the_labels_and_the_embedding_size(tmp_path, models):
         {"name": "nsfw", "backend": "transformers", "model": models["nsfw"], "label": "porn"},
         {"name": "wide", "backend": "clip-head", "path": models["linear48"]},
         {"name": "gone", "backend": "clip-head", "path": str(tmp_path / "no.pth")},
-        {"name": "ok", "backend": "clip-head", "path": models["aesthetic"]}]))
+        {"name": "ok", "backend": "clip-head", "path": models["aesthetic"]},
+        {"name": "moved", "backend": "transformers", "model": str(tmp_path / "no_model"),
+         "label": "nsfw"}]))
     with pytest.raises(ConfigError) as err:
         check_model_sources(cfg)
     text = str(err.value)
+    assert f"process.classifiers[4] (moved).model: {tmp_path / 'no_model'}" in text
     assert "process.classifiers[0] (nsfw).label" in text
     assert "has no label 'porn'; its labels are 'normal', 'nsfw'" in text
     assert ("process.classifiers[1] (wide).path: the head takes 48-dim embeddings but "

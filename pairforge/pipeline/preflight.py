@@ -292,8 +292,10 @@ def _classifier_problems(cfg: PairforgeConfig, i: int, entry: ClassifierConfig) 
     problems = list(_source_problems(f"{key}.model", entry.model,
                                      [("config.json",), WEIGHT_FILES, PROCESSOR_FILES],
                                      entry.revision))
+    if problems:  # a missing local path is no hub id to look up in the cache
+        return problems
     config = _config_json(entry.model, entry.revision)
-    if problems or config is None:
+    if config is None:
         return problems
     from pairforge.filters.classify import config_labels, label_index
 
