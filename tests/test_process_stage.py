@@ -404,7 +404,8 @@ def test_tokenize_step_writes_codes_tokens_and_tasks(tmp_path, coco_raw, tiny_vq
         assert meta["n_caption_tokens"] == len(sample["tok.npy"])
         assert meta["task"] in {"t2i", "i2t"}
     stats = [json.loads(p.read_text()) for p in sorted((out / "shards").glob("*_stats.json"))]
-    for shard in stats:
+    for shard in stats:  # batches of 8 span the shards of 10: each still names its layout
+        assert shard["vocab"]["image_codebook_size"] == 64
         tasks = shard["tasks"]
         total = sum(t["image_tokens"] for t in tasks.values())
         assert abs(tasks.get("i2t", {}).get("image_tokens", 0) - 0.25 * total) <= 64
@@ -612,3 +613,15 @@ def test_huggingface_datasets_reads_the_shards_unchanged(tokenized_dataset, tmp_
     assert row["json"]["task"] in {"t2i", "i2t"} and len(row["json"]["phash"]) == 16
     assert np.asarray(row["vq.npy"]).shape == tuple(row["json"]["token_grid"])
     assert len(row["tok.npy"]) == row["json"]["n_caption_tokens"]
+
+
+def test_the_layout_rides_on_each_shards_first_row_of_a_batch():
+    """A batch spanning shards carries the vocabulary layout once per shard, so every
+    shard's stats name it (once per batch left it to whichever shard led the batch)."""
+    import pyarrow as pa
+
+    from pairforge.tokenizers.step import _shard_starts
+
+    rows = pa.table({"shard": [3, 3, 4, 4, 4, 5]})
+    assert _shard_starts(rows) == [True, False, True, False, False, True]
+    assert _shard_starts(pa.table({"key": ["a", "b"]})) == [True, False]

@@ -36,8 +36,9 @@ class TokenizeStep(ModelStep):
         self.image_tokenizer = load_image_tokenizer({
             **tok.image.model_dump(), "device": model_device(tok), "batch_size": tok.batch_size})
         self.text_tokenizer = load_text_tokenizer(tok.text.model_dump())
-        # the layout travels with the results (once per batch) into each shard's stats:
-        # the manifest is built from those, without loading a model on the driver
+        # the layout travels with the results (on each shard's first row in a batch) into
+        # every shard's stats: the manifest is built from those, without loading a model on
+        # the driver
         self.layout = json.dumps(VocabLayout.from_tokenizers(
             self.text_tokenizer, self.image_tokenizer).to_manifest(), sort_keys=True)
 
@@ -52,5 +53,14 @@ class TokenizeStep(ModelStep):
             "n_image_tokens": [int(g.size) for g in grids],
             "caption_tokens": captions,
             "n_caption_tokens": [len(c) for c in captions],
-            "vocab_layout": [self.layout] + [None] * (len(grids) - 1),
+            "vocab_layout": [self.layout if first else None for first in _shard_starts(rows)],
         })
+
+
+def _shard_starts(rows: pa.Table) -> list[bool]:
+    """Whether each row is its shard's first in the batch (a batch may span shards; once
+    per batch left the layout to whichever shard led it, so stats differed run to run)."""
+    if "shard" not in rows.column_names:
+        return [i == 0 for i in range(rows.num_rows)]
+    shards = rows["shard"].to_pylist()
+    return [i == 0 or shard != shards[i - 1] for i, shard in enumerate(shards)]
