@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError, PairforgeConfig
-from pairforge.shards.raw import completed_shards, stats_name
+from pairforge.shards.raw import completed_shards, shard_name, stats_name
 from pairforge.shards.storage import (
     EMBEDDINGS_FOLDER,
     RAW_FOLDER,
@@ -157,7 +157,8 @@ Check = tuple[str, str, dict[int, dict[str, Any]]]  # stage, folder, expected pe
 def check_rerun(out: OutputDir, checks: list[Check], force: bool) -> dict[str, list[int]]:
     """Stop (exit 2) when complete shards were made under other settings, naming the keys
     of every stage in one message; with ``force``, mark them incomplete (their stats files
-    go, and a training shard's cached CLIP scores) and return their ids per stage."""
+    go; their cached CLIP scores, made under other settings, go in drop_stale_scores) and
+    return their ids per stage."""
     found = [(stage, folder, changed_shards(out, folder, expected))
              for stage, folder, expected in checks]
     found = [f for f in found if f[2]]
@@ -169,8 +170,6 @@ def check_rerun(out: OutputDir, checks: list[Check], force: bool) -> dict[str, l
     for _, folder, changed in found:
         for shard_id in changed:
             out.remove(folder, stats_name(shard_id))
-            if folder == SHARDS_FOLDER and out.exists(SCORES_FOLDER, f"{shard_id:05d}.parquet"):
-                out.remove(SCORES_FOLDER, f"{shard_id:05d}.parquet")
     return {stage: sorted(changed) for stage, _, changed in found}
 
 
@@ -195,25 +194,22 @@ def process_expected(out: OutputDir, cfg: PairforgeConfig, shard_ids: set[int],
 SCORES_DIGEST_KEY = b"pairforge.settings"  # a score file's schema metadata
 
 
-def drop_stale_scores(out: OutputDir, cfg: PairforgeConfig, raw_digest: str | None) -> list[int]:
+def drop_stale_scores(out: OutputDir, cfg: PairforgeConfig, raw_digest: str | None) -> None:
     """CLIP's scoring pass caches scores (and embeddings) per shard; a rerun reuses them
     only when they were made under this run's stage 3 settings. The rest go (a score file
-    is a cache, so no --force is needed), e.g. those of a run killed after its scoring pass
-    that is rerun with another CLIP model. Returns the shard ids dropped."""
-    stale = []
+    is a cache, so no --force is needed), e.g. those of a shard redone under --force, or of
+    a run killed after its scoring pass and rerun with another CLIP model."""
     ids = {int(name.split(".")[0]) for name in out.glob(f"{SCORES_FOLDER}/*.parquet")}
     expected = process_expected(out, cfg, ids & completed_shards(out, RAW_FOLDER), raw_digest)
     for shard_id in sorted(ids):
-        name = f"{shard_id:05d}"
+        name = shard_name(shard_id)
         with out.fs.open(out.path(SCORES_FOLDER, f"{name}.parquet"), "rb") as f:
             recorded = (pq.read_schema(f).metadata or {}).get(SCORES_DIGEST_KEY, b"").decode()
         if shard_id in expected and recorded == settings_digest(expected[shard_id]):
             continue
-        stale.append(shard_id)
         out.remove(SCORES_FOLDER, f"{name}.parquet")
         out.remove(EMBEDDINGS_FOLDER, f"{name}.npy")
         out.remove(EMBEDDINGS_FOLDER, f"{name}_keys.json")
-    return stale
 
 
 def check_settings(cfg: PairforgeConfig, stages: tuple[str, ...], force: bool = False) -> None:
