@@ -234,9 +234,13 @@ class RecaptionCacheConfig(Strict):
         0, ge=0, le=4, description="also reuse the caption of an image within this perceptual-"
         "hash distance (0: exact pixels only); never for images whose caption mentions text")
     embedding_threshold: float | None = Field(
-        None, gt=0, le=1, description="also reuse the caption of the cached image whose CLIP "
-        "image embedding (the clip section's model) has at least this cosine with the new "
-        "image's (null: off); same exclusions as phash_distance")
+        None, gt=0, le=1, description="also reuse the caption of the cached image whose image "
+        "embedding (embedding_source) has at least this cosine with the new image's (null: "
+        "off); same exclusions as phash_distance")
+    embedding_source: Literal["auto", "captioner", "clip"] = Field(
+        "auto", description="the embedding tier's vectors: captioner: the captioning model's "
+        "own vision encoder (transformers backend); clip: the clip section's model; auto: "
+        "captioner for the transformers backend, clip for a server")
 
 
 class DetectorConfig(Strict):
@@ -297,6 +301,21 @@ class RecaptionConfig(ModelPoolConfig):
     attribute_lexicons: list[str] = Field(
         default_factory=list, description="folders of extra attribute word lists (same files "
         "as pairforge/recaption/data) that extend the people-attribute filter")
+
+    @model_validator(mode="after")
+    def _server_has_no_encoder(self) -> RecaptionConfig:
+        if self.backend == "openai" and self.cache.embedding_source == "captioner":
+            raise ValueError("recaption.cache.embedding_source: captioner needs the "
+                             "transformers backend (a server does not return its vision "
+                             "encoder's output); use clip or auto")
+        return self
+
+    @property
+    def embedding_source(self) -> Literal["captioner", "clip"]:
+        """Whose image vectors the cache's embedding tier compares (auto resolved)."""
+        if self.cache.embedding_source == "auto":
+            return "captioner" if self.backend == "transformers" else "clip"
+        return self.cache.embedding_source
 
 
 class TasksConfig(Strict):

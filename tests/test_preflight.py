@@ -226,12 +226,17 @@ def test_grounding_checks_the_clip_model_with_the_clip_filter_off():
 
 
 def test_embedding_cache_and_logit_bias_name_their_models(tmp_path):
-    """The cache's embedding tier loads the clip model (grounding off); the OpenAI
-    backend's logit_bias tokenizer must be a folder with tokenizer files (issue 20)."""
-    problems = _problems({"clip": {"pretrained": "no-such-tag"}, "recaption": {
-        "enabled": True, "model": str(SAMPLE / "captioner"), **NO_GROUNDING,
-        "cache": {"embedding_threshold": 0.97}}})
-    assert [p.split(":")[0] for p in problems] == ["process.clip.pretrained"]
+    """A CLIP embedding tier loads the clip model (grounding off), the captioner's own
+    does not; the OpenAI backend's logit_bias tokenizer must be a folder with tokenizer
+    files (issue 20)."""
+    def tier(source: str) -> dict:
+        return {"clip": {"pretrained": "no-such-tag"}, "recaption": {
+            "enabled": True, "model": str(SAMPLE / "captioner"), **NO_GROUNDING,
+            "cache": {"embedding_threshold": 0.97, "embedding_source": source}}}
+
+    assert [p.split(":")[0] for p in _problems(tier("clip"))] == ["process.clip.pretrained"]
+    check_model_sources(_cfg(tier("auto")))  # the captioner's own encoder: no CLIP
+    check_model_sources(_cfg(tier("captioner")))
     (tmp_path / "tok").mkdir()
     problems = _problems({"recaption": {
         "enabled": True, "backend": "openai", "model": "served", **NO_GROUNDING,

@@ -1,5 +1,6 @@
-"""The recaption cache's embedding tier (issue 20): a caption reused for an image whose CLIP
-image embedding is within a cosine threshold of a cached one.
+"""The recaption cache's embedding tier (issue 20): a caption reused for an image whose
+image embedding (the captioner's own vision encoder's, or CLIP's) is within a cosine
+threshold of a cached one.
 
 Unit level: the cache alone, then the recaption step's ``process``/``finish_shard`` on
 real photos with a tiny random-weight BLIP and a tiny open_clip (golden.tiny_clip), run
@@ -56,17 +57,19 @@ def models(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("models")
     with open(COCO_CAPTIONS, newline="") as f:  # a real vocabulary: captions with words
         captions = [r["caption"] for r in csv.DictReader(f)]
-    blip = save_tiny_captioner("blip", root / "blip", captions)
-    return {"blip": str(blip), "clip": tiny_clip(root / "clip")}
+    built = {arch: str(save_tiny_captioner(arch, root / arch, captions))
+             for arch in ("blip", "git", "idefics3")}
+    return {**built, "clip": tiny_clip(root / "clip")}
 
 
-def _cfg(out: Path, models: dict, threshold: float | None):  # noqa: ANN202
+def _cfg(out: Path, models: dict, threshold: float | None, source: str = "clip",
+         captioner: str = "blip"):  # noqa: ANN202
     return parse_config({
         "input": {"path": str(out / "in.csv")}, "output": {"path": str(out)},
         "process": {"clip": models["clip"], "recaption": {
-            "enabled": True, "model": models["blip"], "max_new_tokens": 6,
+            "enabled": True, "model": models[captioner], "max_new_tokens": 6,
             "grounding": {"enabled": False},
-            "cache": {"embedding_threshold": threshold}}}})
+            "cache": {"embedding_threshold": threshold, "embedding_source": source}}}})
 
 
 def _rows(images: list[Image.Image]) -> pa.Table:
@@ -111,3 +114,68 @@ def test_step_reuses_captions_by_clip_embedding(tmp_path, models, monkeypatch) -
     plain = _cfg(tmp_path, models, None)
     assert cache_dir(plain).path("") != cache_dir(cfg).path("")
     assert [r["recaption_origin"] for r in _run(plain, _rows([brighter]))] == ["model"]
+
+
+@pytest.mark.parametrize(("arch", "encoder"), [("blip", "BlipVisionModel"),
+                                               ("git", "GitVisionModel"),
+                                               ("idefics3", "get_image_features")])
+def test_captioner_vectors_come_from_its_own_encoder(tmp_path, models, arch, encoder) -> None:
+    """BLIP's vision_model, GIT's image_encoder, Idefics3's get_image_features (after the
+    projector): one unit vector per image, the same whether batched or alone."""
+    from pairforge.recaption.backends import TransformersCaptioner
+
+    captioner = TransformersCaptioner(_cfg(tmp_path, models, 0.9, "captioner", arch)
+                                      .process.recaption)
+    found = captioner.vision.encoder
+    assert getattr(found, "__name__", type(found).__name__) == encoder
+    photos = [Image.open(p).convert("RGB") for p in sorted(COCO_IMAGES.glob("*.jpg"))[:3]]
+    vectors = captioner.image_embeddings(photos)
+    assert vectors.shape == (3, 32) and vectors.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+    np.testing.assert_allclose(captioner.image_embeddings(photos[1:2])[0], vectors[1],
+                               atol=1e-5)
+    assert float(vectors[0] @ vectors[2]) < 0.9999  # other photos, other vectors
+
+
+def test_step_reuses_captions_by_the_captioners_embedding(tmp_path, models,
+                                                         monkeypatch) -> None:
+    """auto with the transformers backend: the captioner's own vectors are cached and
+    compared; the clip model is never loaded."""
+    from pairforge.recaption import checked
+
+    def no_clip(*args: object) -> None:
+        raise AssertionError("the captioner's embedding tier loaded CLIP")
+
+    monkeypatch.setattr(step_module, "find_registry", lambda name: None)
+    monkeypatch.setattr(checked, "ClipScorer", no_clip)
+    photos = [Image.open(p).convert("RGB") for p in sorted(COCO_IMAGES.glob("*.jpg"))[:3]]
+    # the tiny BLIP (random weights, 32 px): the brighter copy 0.95, other photos <= 0.4
+    cfg = _cfg(tmp_path, models, 0.9, "auto")
+    assert cfg.process.recaption.embedding_source == "captioner"
+    table = _rows(photos[:2])
+    step = RecaptionStep(cfg)
+    decoded = [Image.open(io.BytesIO(b)).convert("RGB") for b in table["image"].to_pylist()]
+    expected = step.checked.captioner.image_embeddings(decoded)
+    first = _run(cfg, table)
+    assert [r["recaption_origin"] for r in first] == ["model", "model"]
+    part = pq.read_table(cache_dir(cfg).path(cache_dir(cfg).glob("*.parquet")[0]))
+    np.testing.assert_allclose(np.asarray(part.column("embedding").to_pylist()), expected,
+                               atol=1e-5)
+
+    brighter = photos[0].point(lambda v: min(255, v + 3))
+    second = _run(cfg, _rows([brighter, photos[2]]))
+    assert [r["recaption_origin"] for r in second] == ["cache_embedding", "model"]
+    assert second[0]["recaption"] == first[0]["recaption"]
+    # whose vectors they are is part of the cache identity
+    assert cache_dir(_cfg(tmp_path, models, 0.9, "clip")).path("") != cache_dir(cfg).path("")
+
+
+def test_a_served_captioner_compares_clip_vectors(tmp_path, models) -> None:
+    served = {"input": {"path": "in.csv"}, "output": {"path": str(tmp_path)},
+              "process": {"recaption": {"enabled": True, "backend": "openai",
+                                        "model": "served",
+                                        "cache": {"embedding_threshold": 0.97}}}}
+    assert parse_config(served).process.recaption.embedding_source == "clip"
+    served["process"]["recaption"]["cache"]["embedding_source"] = "captioner"
+    with pytest.raises(ValueError, match="embedding_source: captioner needs the transformers"):
+        parse_config(served)

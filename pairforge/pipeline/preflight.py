@@ -240,9 +240,9 @@ def model_problems(cfg: PairforgeConfig) -> list[str]:
         problems += _tokenizer_problems(cfg)
     rc = process.recaption
     clip_grounding = rc.grounding.enabled and rc.grounding.backend == "clip"
-    # clip grounding and the cache's embedding tier load the clip section's model
-    if process.clip.enabled or (rc.enabled and (clip_grounding
-                                                or rc.cache.embedding_threshold is not None)):
+    # clip grounding and a CLIP embedding tier load the clip section's model
+    clip_tier = rc.cache.embedding_threshold is not None and rc.embedding_source == "clip"
+    if process.clip.enabled or (rc.enabled and (clip_grounding or clip_tier)):
         problems += _clip_problems(process.clip)
     if rc.enabled and rc.grounding.enabled and rc.grounding.backend == "detector":
         problems += _detector_problems(rc.grounding.detector)

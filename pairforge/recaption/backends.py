@@ -8,6 +8,7 @@ default (a caption has a right answer); ``temperature > 0`` samples.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import os
 import time
@@ -15,11 +16,13 @@ from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from pairforge.config import RecaptionConfig
 from pairforge.images import model_dtype
 from pairforge.recaption.constrain import WordBlocker
+from pairforge.recaption.vision import VisionEmbedder
 from pairforge.retry import backoff_seconds
 
 
@@ -29,6 +32,12 @@ class Captioner(ABC):
     @abstractmethod
     def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
         """The model's answer for each image."""
+
+    def image_embeddings(self, images: list[Image.Image]) -> np.ndarray:
+        """The model's own normalised image vectors, one row per image (the cache's
+        embedding tier), where the backend can reach its vision encoder."""
+        raise ValueError(f"the {type(self).__name__} backend exposes no vision encoder; set "
+                         "recaption.cache.embedding_source: clip")
 
 
 class TransformersCaptioner(Captioner):
@@ -50,6 +59,13 @@ class TransformersCaptioner(Captioner):
         self.mode = self._prompt_mode()
         # constrained decoding (recaption/constrain.py) in the processor's own subwords
         self.blocker = WordBlocker(tokenizer, blocked) if blocked and tokenizer else None
+
+    @functools.cached_property
+    def vision(self) -> VisionEmbedder:
+        return VisionEmbedder(self.model, self.processor.image_processor, self.device)
+
+    def image_embeddings(self, images: list[Image.Image]) -> np.ndarray:
+        return self.vision.embed(images)
 
     def _prompt_mode(self) -> str:
         if self.cfg.prompt_mode != "auto":

@@ -11,10 +11,12 @@ Lookup is by exact pixel hash; with ``phash_distance > 0`` also by perceptual ha
 that Hamming distance (pigeonhole bands), but only for captions that are not abstentions
 and do not mention text: a near-identical photo of a sign may read differently. The third
 tier, with ``embedding_threshold`` set, reuses the caption of the cached image whose
-normalised CLIP image embedding (the vectors grounding and the clip step use) has the
-highest cosine with the new image's, when it reaches the threshold; the same exclusions
-apply. It saves the captioner's prefill and decode for a re-shot of the same scene that
-no hash catches; the embedding is stored beside the caption.
+normalised image embedding has the highest cosine with the new image's, when it reaches
+the threshold; the same exclusions apply. The vectors are the captioner's own vision
+encoder's (recaption/vision.py; transformers backend) or the clip section's model's (the
+vectors grounding and the clip step use; a served captioner). It saves the language
+model's prefill and decode for a re-shot of the same scene that no hash catches; the
+embedding is stored beside the caption.
 """
 
 from __future__ import annotations
@@ -90,8 +92,9 @@ def cache_identity(cfg: PairforgeConfig) -> dict[str, Any]:
     elif rc.grounding.enabled:
         identity["grounding"] = {"min_score": rc.grounding.min_score,
                                  "clip": f"{clip.model}/{clip.pretrained}"}
-    if rc.cache.embedding_threshold is not None:  # stored vectors are this model's
-        identity["embedding"] = f"{clip.model}/{clip.pretrained}"
+    if rc.cache.embedding_threshold is not None:  # whose vectors are stored
+        identity["embedding"] = ("captioner" if rc.embedding_source == "captioner"
+                                 else f"{clip.model}/{clip.pretrained}")
     return identity
 
 

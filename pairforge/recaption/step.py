@@ -1,8 +1,9 @@
 """The recaption step of stage 3: a VLM caption per image, made safe, cached by image.
 
-For each ok row: the cache (pixel hash, optionally perceptual hash and CLIP image
-embedding) answers first; else the row's image is claimed in the build's claim registry,
-and only the claimant runs the model, so duplicates within a build are captioned once.
+For each ok row: the cache (pixel hash, optionally perceptual hash and image embedding:
+the captioner's own or CLIP's) answers first; else the row's image is claimed in the
+build's claim registry, and only the claimant runs the model, so duplicates within a build
+are captioned once.
 Captioning itself is recaption/checked.py's (shared with ``pairforge recaption-eval``): a
 generated caption is cleaned (one sentence, no boilerplate), passed through the
 people-attribute filter and the grounding check (CLIP or an open-vocabulary detector,
@@ -84,6 +85,7 @@ class RecaptionStep(ModelStep):
                                         rc.cache.embedding_threshold)
                       if rc.cache.enabled else CaptionCache())
         self.embed_tier = rc.cache.enabled and rc.cache.embedding_threshold is not None
+        self.embed_source = rc.embedding_source
         self.registry = find_registry(registry_name(cfg))
 
     @classmethod
@@ -141,15 +143,20 @@ class RecaptionStep(ModelStep):
         if not indices:
             return {}
         images = [decode_rgb(b) for b in rows["image"].take(indices).to_pylist()]
-        known = [vectors.get(i) for i in indices]
-        given = known if all(v is not None for v in known) else None
+        known = [vectors.get(i) for i in indices]  # CLIP's vectors serve grounding too
+        given = (known if self.embed_source == "clip" and all(v is not None for v in known)
+                 else None)
         return dict(zip(indices, self.caption_images(images, given), strict=True))
 
     def _embed(self, rows: pa.Table, indices: list[int]) -> dict[int, Any]:
-        """CLIP image embeddings for the embedding tier: the clip step's where it kept
-        them, else encoded here with the same model."""
+        """Image vectors for the embedding tier: the captioner's own, or CLIP's (the clip
+        step's where it kept them, else encoded here with the same model)."""
         if not self.embed_tier or not indices:
             return {}
+        if self.embed_source == "captioner":
+            images = [decode_rgb(b) for b in rows["image"].take(indices).to_pylist()]
+            return dict(zip(indices, self.checked.captioner.image_embeddings(images),
+                            strict=True))
         kept = (rows["clip_embedding"].to_pylist() if "clip_embedding" in rows.column_names
                 else [None] * rows.num_rows)
         vectors = {i: np.asarray(kept[i], dtype=np.float32) for i in indices
