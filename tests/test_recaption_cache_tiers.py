@@ -179,3 +179,29 @@ def test_a_served_captioner_compares_clip_vectors(tmp_path, models) -> None:
     served["process"]["recaption"]["cache"]["embedding_source"] = "captioner"
     with pytest.raises(ValueError, match="embedding_source: captioner needs the transformers"):
         parse_config(served)
+
+
+@pytest.mark.parametrize("arch", ["blip", "git", "idefics3"])
+def test_a_miss_reuses_the_towers_output(tmp_path, models, arch) -> None:
+    """After the lookup's vectors, ``generate`` on the same pixels reads the tower's
+    outputs from the memo (no second forward) and writes the same captions as a model
+    without one; other pixels run the tower."""
+    from pairforge.recaption.backends import TransformersCaptioner
+    from pairforge.recaption.vision import find_tower
+
+    def load() -> TransformersCaptioner:
+        return TransformersCaptioner(_cfg(tmp_path, models, 0.9, "captioner", arch)
+                                     .process.recaption)
+
+    captioner = load()
+    tower, runs = find_tower(captioner.model), []
+    forward = tower.forward
+    tower.forward = lambda *a, **k: runs.append(1) or forward(*a, **k)
+    photos = [Image.open(p).convert("RGB") for p in sorted(COCO_IMAGES.glob("*.jpg"))[:4]]
+    captioner.image_embeddings(photos[:3])
+    assert len(runs) == 1
+    captions = captioner.generate(photos[2::-1], "")  # any order, any subset
+    assert len(runs) == 1
+    assert captions == load().generate(photos[2::-1], "")
+    captioner.generate(photos[1:], "")  # photo 3 was never embedded
+    assert len(runs) > 1
