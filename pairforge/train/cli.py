@@ -55,7 +55,9 @@ def sample(
         help="caption to draw (repeatable); default: held-out captions")]
     = None,
     n: Annotated[int, typer.Option("-n", help="held-out samples to use")] = 8,
-    cfg_scale: Annotated[float, typer.Option(help="classifier-free guidance scale")] = 3.0,
+    cfg_scale: Annotated[float, typer.Option(
+        help="classifier-free guidance scale (1: none; models trained on clean captions "
+             "draw best without it, see `pairforge eval`, which chooses per run)")] = 1.0,
     temperature: Annotated[float, typer.Option(help="image-token sampling temperature")] = 1.0,
     top_k: Annotated[int, typer.Option(help="sample among the k likeliest codes (0: all)")]
     = 0,

@@ -52,7 +52,7 @@ def _last_logits(model: Transformer, context: list[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def generate_image_codes(model: Transformer, layout: VocabLayout, caption: list[int],
-                         n_tokens: int, cfg_scale: float = 3.0, temperature: float = 1.0,
+                         n_tokens: int, cfg_scale: float = 1.0, temperature: float = 1.0,
                          top_k: int = 0, generator: torch.Generator | None = None) -> np.ndarray:
     """n_tokens image codes for a caption: logits = u + s * (c - u), image codes only.
     cond context: [EOS] c [SOV] x_<t; uncond context: [EOS] [SOV] x_<t."""
@@ -114,7 +114,7 @@ class _Cached:
 
 @torch.no_grad()
 def generate_image_codes_batch(model: Transformer, layout: VocabLayout,
-                               captions: list[list[int]], n_tokens: int, cfg_scale: float = 3.0,
+                               captions: list[list[int]], n_tokens: int, cfg_scale: float = 1.0,
                                temperature: float = 1.0, top_k: int = 0,
                                generator: torch.Generator | None = None) -> list[np.ndarray]:
     """:func:`generate_image_codes` for many captions at once, in input order.
@@ -232,7 +232,7 @@ def caption_label(generated: str, reference: str) -> str:
 
 
 def sample_run(run: str | Path, output: str, prompts: list[str] | None = None, n: int = 8,
-               cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 0,
+               cfg_scale: float = 1.0, temperature: float = 1.0, top_k: int = 0,
                seed: int = 0) -> dict[str, Any]:
     """Images for the prompts (default: held-out captions), captions for held-out images;
     writes the PNG sheet and ``output`` with .json holding prompts and captions."""
