@@ -9,6 +9,7 @@ with the scene world's shape nouns. Everything goes through the CLI.
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 from pathlib import Path
 
@@ -213,7 +214,19 @@ def test_parquet_and_jsonl_tables_with_several_references(tmp_path):
     pq.write_table(pa.Table.from_pylist(records), tmp_path / "t.parquet")
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     cfg = EvaluationConfig(reference_cols=["refs", "extra"])
-    for name in ("t.parquet", "t.jsonl"):
+    (tmp_path / "t.json").write_text(json.dumps(records))
+    for name in ("t.parquet", "t.jsonl", "t.json"):
         table = read_table(tmp_path / name, cfg, ["bg"])
         assert [r.references for r in table] == [[r["reference"], "a picture"] for r in rows]
         assert [r.strata for r in table] == [{"bg": r["background"]} for r in rows]
+
+
+def test_a_compressed_tsv_keeps_its_strata_as_text(tmp_path):
+    rows = _example_rows()[:2]
+    lines = ["image\treference\tgroup"] + [f"{EXAMPLE / r['image']}\t{r['reference']}\t0{i}"
+                                            for i, r in enumerate(rows)]
+    with gzip.open(tmp_path / "t.tsv.gz", "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    table = read_table(tmp_path / "t.tsv.gz", EvaluationConfig(), ["group"])
+    assert [r.strata for r in table] == [{"group": "00"}, {"group": "01"}]
+    assert [r.references for r in table] == [[r["reference"]] for r in rows]

@@ -72,23 +72,25 @@ def _read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
         raise ConfigError(f"cannot read input {path!r}: {err}") from None
 
 
-def _read_table_file(fs: fsspec.AbstractFileSystem, path: str, fmt: str,
-                     cfg: InputConfig) -> pa.Table:
+def read_table_file(fs: fsspec.AbstractFileSystem, path: str, fmt: str,
+                    column_types: dict[str, pa.DataType] | None = None,
+                    empty_is_null: bool = False, txt_column: str = "url") -> pa.Table:
+    """One table file (``fmt`` of TABLE_FORMATS) as read; ``column_types`` and
+    ``empty_is_null`` apply to csv/tsv, ``txt_column`` names a .txt file's one column."""
     if fmt == "parquet":
         with fs.open(path, "rb") as f:
             return pq.read_table(f)
     data = _read_bytes(fs, path)
     if fmt == "txt":
         lines = [line.strip() for line in data.decode("utf-8", "replace").splitlines()]
-        return pa.table({cfg.url_col: [line for line in lines if line]})
+        return pa.table({txt_column: [line for line in lines if line]})
     if fmt in ("csv", "tsv"):
-        # Captions are read as bytes so one row with invalid UTF-8 fails alone, later.
-        types = {cfg.caption_col: pa.binary()} if cfg.caption_col else {}
         return pacsv.read_csv(
             io.BytesIO(data),
             parse_options=pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",",
                                              newlines_in_values=True),
-            convert_options=pacsv.ConvertOptions(column_types=types, strings_can_be_null=False),
+            convert_options=pacsv.ConvertOptions(column_types=column_types or {},
+                                                 strings_can_be_null=empty_is_null),
         )
     if fmt == "jsonl":
         return pajson.read_json(io.BytesIO(data))
@@ -178,7 +180,9 @@ def read_input_table(cfg: InputConfig) -> pa.Table:
             tables.append(_tar_rows(fs, path, cfg))
         else:
             try:
-                raw = _read_table_file(fs, path, fmt, cfg)
+                # captions as bytes, so one row with invalid UTF-8 fails alone, later
+                raw = read_table_file(fs, path, fmt, {cfg.caption_col: pa.binary()}
+                                      if cfg.caption_col else {}, txt_column=cfg.url_col)
             except (pa.ArrowInvalid, ValueError) as err:
                 raise ConfigError(f"cannot parse input {path!r} as {fmt}: {err}") from None
             tables.append(normalise_table(raw, cfg, path))

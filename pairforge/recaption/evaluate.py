@@ -31,7 +31,7 @@ from typing import Any
 from pairforge.config import ConfigError, EvaluationConfig, PairforgeConfig
 
 METRICS = ("cider_d", "hallucination", "specificity", "abstention")
-FORMATS = {".parquet": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
+FORMATS = ("parquet", "csv", "tsv", "jsonl", "json")  # json: a list of objects
 
 
 @dataclass
@@ -52,31 +52,35 @@ class Row:
 # -- the table -------------------------------------------------------------------------------
 
 def _read_arrow(path: Path) -> Any:
-    import pyarrow.csv
-    import pyarrow.json
-    import pyarrow.parquet
+    """The table, read as the build reads input tables (pipeline/inputs.py), except that
+    csv/tsv cells stay text (strata such as "1", "2") and empty ones are null."""
+    import fsspec
 
-    kind = FORMATS.get(path.suffix.lower())
-    if kind is None:
-        raise ConfigError(f"{path}: a table is .parquet, .csv or .jsonl (got {path.suffix!r})")
+    from pairforge.pipeline.inputs import detect_format, read_table_file
+
     try:
-        if kind == "parquet":
-            return pyarrow.parquet.read_table(path)
-        if kind == "csv":  # strata stay text, whatever they look like ("1", "2")
-            return pyarrow.csv.read_csv(path, convert_options=pyarrow.csv.ConvertOptions(
-                strings_can_be_null=True, column_types=_text_columns(path)))
-        return pyarrow.json.read_json(path)
+        kind = detect_format(str(path))
+    except ConfigError:
+        kind = None
+    if kind not in FORMATS:
+        raise ConfigError(f"{path}: a table is {', '.join(FORMATS)} (got {path.suffix!r})")
+    try:
+        return read_table_file(fsspec.filesystem("file"), str(path), kind,
+                               _text_columns(path, kind), empty_is_null=True)
     except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
         raise ConfigError(f"cannot read the table {path}: {err}") from None
 
 
-def _text_columns(path: Path) -> dict[str, Any]:
+def _text_columns(path: Path, kind: str) -> dict[str, Any]:
     import csv
 
+    import fsspec
     import pyarrow as pa
 
-    with open(path, newline="", encoding="utf-8") as f:
-        names = next(csv.reader(f), [])
+    if kind not in ("csv", "tsv"):
+        return {}
+    with fsspec.open(str(path), "rt", compression="infer", newline="", encoding="utf-8") as f:
+        names = next(csv.reader(f, delimiter="\t" if kind == "tsv" else ","), [])
     return {name: pa.string() for name in names}
 
 
