@@ -129,7 +129,11 @@ def run_tool(tool: str, inp: Path, out: Path, rows: int, server_pids: list[int],
     cmd = (img2dataset_cmd(inp, out, args) if tool == "img2dataset"
            else pairforge_cmd(inp, out, args, overrides))
     server_before = cpu_seconds(server_pids)
-    seconds, tree = run_sampled(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # albumentations (an img2dataset dependency) asks PyPI for a newer version at import:
+    # off, so the bench's traffic stays on loopback
+    env = {**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1"}
+    seconds, tree = run_sampled(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=env)
     server = cpu_seconds(server_pids) - server_before
     top = tree.cpu_by_name().most_common(8)
     if args.verbose:
