@@ -15,6 +15,7 @@ from PIL import Image, JpegImagePlugin
 
 from pairforge.config import ImageConfig
 from pairforge.filters.hashing import hamming_u64, phash_u64
+from pairforge.pipeline import jpegdecode
 from pairforge.pipeline.imageproc import ImageFailure, ProcessedImage, process_image
 from pairforge.pipeline.resample import downscale
 from pairforge.records import Status
@@ -311,8 +312,11 @@ def test_bad_aspect():
 
 @pytest.fixture
 def draft_calls(monkeypatch):
+    """(size, decoded size) of each reduced-scale JPEG decode, by Pillow's draft or by
+    simplejpeg at the scale draft picks (pipeline.jpegdecode)."""
     calls: list[tuple[tuple[int, int], tuple[int, int]]] = []
     original = JpegImagePlugin.JpegImageFile.draft
+    turbo = jpegdecode.decode
 
     def spy(self, mode, size):
         before = self.size
@@ -320,7 +324,14 @@ def draft_calls(monkeypatch):
         calls.append((before, self.size))
         return result
 
+    def turbo_spy(body, size, scale):
+        pixels = turbo(body, size, scale)
+        if pixels is not None and scale > 1:
+            calls.append((size, (pixels.shape[1], pixels.shape[0])))
+        return pixels
+
     monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", spy)
+    monkeypatch.setattr(jpegdecode, "decode", turbo_spy)
     return calls
 
 

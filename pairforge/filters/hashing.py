@@ -15,11 +15,12 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def pixel_hash_hex(image: Image.Image, pixels: bytes | None = None) -> str:
+def pixel_hash_hex(image: Image.Image, pixels: bytes | memoryview | None = None) -> str:
     """Exact hash of decoded RGB pixels and their shape: equal for any lossless re-encode.
 
-    ``pixels`` is ``image.tobytes()`` when the caller already has it (the download pass
-    hands the same bytes to the resize), so the pixels are copied out of Pillow once.
+    ``pixels`` is ``image.tobytes()`` (or the same bytes in another buffer, e.g. the
+    array simplejpeg decoded into) when the caller already has it: the download pass hands
+    the same bytes to the resize, so the pixels are copied out of Pillow at most once.
     """
     if pixels is None:
         rgb = image if image.mode == "RGB" else image.convert("RGB")

@@ -13,7 +13,10 @@ Order of work, cheapest rejection first:
 2. For a JPEG that will be shrunk at least 2x, ``Image.draft`` makes libjpeg decode at a
    reduced DCT scale (1/2, 1/4, 1/8), never below the size the resize needs.
 3. Decode; truncated or corrupt data is ``decode_error`` (``LOAD_TRUNCATED_IMAGES`` is
-   never set: a half-grey image is not a training sample).
+   never set: a half-grey image is not a training sample). A JPEG is decoded by
+   simplejpeg (``pipeline.jpegdecode``: the same libjpeg-turbo, a third less CPU) at the
+   scale step 2 picks, into the very pixels Pillow would give; whatever simplejpeg does
+   not reproduce exactly or refuses (CMYK, warnings, corrupt data) goes to Pillow.
 4. EXIF orientation is applied, the image becomes RGB, alpha is composited onto white.
 5. ``pixel_hash`` and ``phash`` of that decoded image, then the resize (downscaling with
    libvips, see ``pipeline.resample``; upscaling with Pillow), then re-encoding with Pillow.
@@ -51,6 +54,7 @@ from PIL import ExifTags, Image, ImageOps, JpegImagePlugin, UnidentifiedImageErr
 
 from pairforge.config import ImageConfig
 from pairforge.filters.hashing import perceptual_hashes, pixel_hash_hex, sha256_hex
+from pairforge.pipeline import jpegdecode
 from pairforge.pipeline.resample import downscale as _downscale
 from pairforge.records import Status
 
@@ -73,6 +77,7 @@ UPSCALE_FILTER = Image.Resampling.BICUBIC
 
 _ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
 _SWAPS_AXES = frozenset({5, 6, 7, 8})  # EXIF orientations that rotate by 90 degrees
+_TRANSPOSES = frozenset(range(2, 9))  # EXIF orientations ImageOps.exif_transpose acts on
 
 # The few EXIF tags kept (IFD0, then the Exif sub-IFD): what made the photo, when, by whom.
 _EXIF_BASE_TAGS = (ExifTags.Base.Make, ExifTags.Base.Model, ExifTags.Base.Software,
@@ -126,14 +131,15 @@ class _Reject(Exception):
         self.failure = ImageFailure(status, error)
 
 
-def process_image(body: bytes, cfg: ImageConfig, *, draft: bool = True
+def process_image(body: bytes, cfg: ImageConfig, *, draft: bool = True, turbo: bool = True
                   ) -> ProcessedImage | ImageFailure:
     """Decode, check, hash, resize and re-encode ``body``; never raises.
 
-    ``draft=False`` disables reduced-scale JPEG decoding (for benchmarks and comparisons).
+    ``draft=False`` disables reduced-scale JPEG decoding, ``turbo=False`` decoding JPEGs
+    with simplejpeg (Pillow decodes them all); both for benchmarks and comparisons.
     """
     try:
-        return _process(body, cfg, draft)
+        return _process(body, cfg, draft, turbo)
     except _Reject as rejected:
         return rejected.failure
     except MemoryError:
@@ -142,24 +148,20 @@ def process_image(body: bytes, cfg: ImageConfig, *, draft: bool = True
         return ImageFailure(Status.DECODE_ERROR, f"{type(err).__name__}: {err}")
 
 
-def _process(body: bytes, cfg: ImageConfig, draft: bool) -> ProcessedImage:
+def _process(body: bytes, cfg: ImageConfig, draft: bool, turbo: bool) -> ProcessedImage:
     image = _open(body)  # no context manager: closing would discard the decoded pixels
     stored_w, stored_h = image.size
     _check_size(stored_w, stored_h, cfg)
     plan = _plan_resize(stored_w, stored_h, cfg)
-    is_jpeg = isinstance(image, JpegImagePlugin.JpegImageFile)
-    if is_jpeg and draft and plan.resize is not None:
-        _draft(image, plan.resize)  # plan.resize is in stored axes, as draft() wants
-    _load(image)
-    # Read after load: PNG's eXIf chunk may follow the pixel data.
+    decoded = _decode(image, body, plan.resize if draft else None, turbo)
+    # Read after load: PNG's eXIf chunk may follow the pixel data (a JPEG's EXIF is in
+    # its header, so the simplejpeg path has it without Pillow decoding).
     swap = _orientation(image) in _SWAPS_AXES
     exif = _exif_json(image)
-    ImageOps.exif_transpose(image, in_place=True)
-    rgb = _to_rgb(image)
+    rgb, pixels = _pillow_rgb(image) if decoded is None else _turbo_rgb(image, decoded)
     if swap:
         plan = plan.swapped()
         stored_w, stored_h = stored_h, stored_w
-    pixels = rgb.tobytes()  # copied out of Pillow once, for the pixel hash and the resize
     pixel_hash = pixel_hash_hex(rgb, pixels)
     hashes = perceptual_hashes(rgb)
     out = _apply_plan(rgb, pixels, plan, cfg.image_size)
@@ -213,11 +215,52 @@ def _plan_resize(width: int, height: int, cfg: ImageConfig) -> _Plan:
     return _Plan(target, downscale, mode == "center_crop", mode == "border")
 
 
+def _decode(image: Image.Image, body: bytes, target: tuple[int, int] | None,
+            turbo: bool) -> np.ndarray | None:
+    """Decode the pixels, for a target size in stored axes (None: full size).
+
+    A JPEG simplejpeg decodes exactly as Pillow comes back as an RGB array at the scale
+    Pillow's draft would pick; for any other image, or any JPEG simplejpeg refuses,
+    Pillow decodes into ``image`` (drafted as before) and this returns None.
+    """
+    is_jpeg = isinstance(image, JpegImagePlugin.JpegImageFile)
+    if is_jpeg and turbo and _turbo_decodes(image):
+        scale = _draft_scale(image.size, target) if target is not None else 1
+        pixels = jpegdecode.decode(body, image.size, scale)
+        if pixels is not None:
+            return pixels
+    if is_jpeg and target is not None:
+        _draft(image, target)
+    _load(image)
+    return None
+
+
+def _turbo_decodes(image: Image.Image) -> bool:
+    """Whether simplejpeg may decode this JPEG: a colour space it reproduces, and pixels
+    displayed as stored. A rotated or mirrored one stays with Pillow, whose
+    exif_transpose, on the image it decoded, decides (and may fail on) the result."""
+    if image.mode not in jpegdecode.MODES:
+        return False
+    try:  # the lookup exif_transpose makes; broken EXIF: Pillow's path decides
+        return image.getexif().get(ExifTags.Base.Orientation, 1) not in _TRANSPOSES
+    except Exception:
+        return False
+
+
+def _draft_scale(size: tuple[int, int], target: tuple[int, int]) -> int:
+    """The reduction ``_draft`` makes libjpeg decode at: JpegImageFile.draft's rule, the
+    largest of 1/8, 1/4, 1/2 leaving each side >= the target, from 2x only."""
+    (width, height), (target_w, target_h) = size, target
+    if width < 2 * target_w or height < 2 * target_h:
+        return 1
+    fit = min(width // target_w, height // target_h)
+    return next(scale for scale in (8, 4, 2) if fit >= scale)
+
+
 def _draft(image: JpegImagePlugin.JpegImageFile, target: tuple[int, int]) -> None:
     # Only worth it from 2x: libjpeg's scales are 1/2, 1/4, 1/8, and draft() picks the
     # largest reduction that still leaves each side >= the target, so quality is kept.
-    width, height = image.size
-    if width >= 2 * target[0] and height >= 2 * target[1]:
+    if _draft_scale(image.size, target) > 1:
         image.draft("RGB", target)
 
 
@@ -270,6 +313,26 @@ def _exif_value(value: object) -> str | int | float | None:
     return number if math.isfinite(number) else None  # 0/0 rationals: not valid JSON
 
 
+def _pillow_rgb(image: Image.Image) -> tuple[Image.Image, bytes]:
+    """The decoded image as displayed, in RGB, and its pixels copied out of Pillow once
+    (for the pixel hash and the resize)."""
+    ImageOps.exif_transpose(image, in_place=True)
+    rgb = _to_rgb(image)
+    return rgb, rgb.tobytes()
+
+
+def _turbo_rgb(image: Image.Image, decoded: np.ndarray) -> tuple[Image.Image, memoryview]:
+    """``_pillow_rgb`` for simplejpeg's pixels (never transposed: ``_turbo_decodes``), with
+    ``image``, the undecoded header, for the metadata. The array serves the pixel hash
+    and the resize as it is; Pillow gets a copy for the perceptual hashes and the encode."""
+    height, width = decoded.shape[:2]
+    rgb = Image.frombuffer("RGB", (width, height), decoded, "raw", "RGB", 0, 1)
+    # The encoders read some of it (a JPEG's comment, an ICC profile into a PNG) from an
+    # image that reaches them unresized, as the image Pillow decoded would have it.
+    rgb.info = dict(image.info)
+    return rgb, memoryview(decoded).cast("B")
+
+
 def _to_rgb(image: Image.Image) -> Image.Image:
     """RGB pixels; transparency composited onto white; 16-bit/float scaled to 8 bits."""
     mode = image.mode
@@ -295,7 +358,8 @@ def _to_8bit(image: Image.Image) -> Image.Image:
     return Image.fromarray(pixels.astype(np.uint8), "L")
 
 
-def _apply_plan(image: Image.Image, pixels: bytes, plan: _Plan, size: int) -> Image.Image:
+def _apply_plan(image: Image.Image, pixels: bytes | memoryview, plan: _Plan,
+                size: int) -> Image.Image:
     if plan.resize is None:
         return image
     resized = _resize(image, pixels, plan.resize, plan.downscale)
@@ -304,7 +368,7 @@ def _apply_plan(image: Image.Image, pixels: bytes, plan: _Plan, size: int) -> Im
     return _pad(resized, size) if plan.pad else resized
 
 
-def _resize(image: Image.Image, pixels: bytes, target: tuple[int, int],
+def _resize(image: Image.Image, pixels: bytes | memoryview, target: tuple[int, int],
             downscale: bool) -> Image.Image:
     if image.size == target:
         return image

@@ -23,8 +23,10 @@ pyvips.cache_set_max(0)
 KERNEL = "lanczos3"
 
 
-def downscale(pixels: bytes, size: tuple[int, int], target: tuple[int, int]) -> Image.Image:
-    """``pixels`` (RGB, ``size``) resized to ``target``, an RGB Pillow image.
+def downscale(pixels: bytes | memoryview, size: tuple[int, int], target: tuple[int, int]
+              ) -> Image.Image:
+    """``pixels`` (RGB, ``size``; any C-contiguous buffer, read in place) resized to
+    ``target``, an RGB Pillow image.
 
     libvips shrinks by the integer part of a large factor first (box, like Pillow's
     ``reducing_gap``), then applies the kernel.
