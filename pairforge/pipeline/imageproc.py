@@ -14,9 +14,10 @@ Order of work, cheapest rejection first:
    reduced DCT scale (1/2, 1/4, 1/8), never below the size the resize needs.
 3. Decode; truncated or corrupt data is ``decode_error`` (``LOAD_TRUNCATED_IMAGES`` is
    never set: a half-grey image is not a training sample). A JPEG is decoded by
-   simplejpeg (``pipeline.jpegdecode``: the same libjpeg-turbo, a third less CPU) at the
+   simplejpeg (``pipeline.jpegdecode``: the same libjpeg-turbo with less overhead) at the
    scale step 2 picks, into the very pixels Pillow would give; whatever simplejpeg does
-   not reproduce exactly or refuses (CMYK, warnings, corrupt data) goes to Pillow.
+   not reproduce exactly or refuses (CMYK, EXIF rotation, warnings, corrupt data) goes
+   to Pillow.
 4. EXIF orientation is applied, the image becomes RGB, alpha is composited onto white.
 5. ``pixel_hash`` and ``phash`` of that decoded image, then the resize (downscaling with
    libvips, see ``pipeline.resample``; upscaling with Pillow), then re-encoding with Pillow.
