@@ -2,6 +2,7 @@
 
     python bench/stage1_profile.py                 # photos at 1,280 px (bench/photoset.py)
     python bench/stage1_profile.py --photos web    # 640-2,048 px; --photos coco: as shipped
+    python bench/stage1_profile.py --decoders 15   # only 5. and 6., 15 interleaved rounds
 
 CPU time, not wall time: the build machine is shared, and CPU per image is what decides
 how many images a core turns out. It is the whole process's CPU time, never one thread's:
@@ -21,6 +22,17 @@ libvips computes on its own worker thread, which a thread clock misses (this ben
 
 What Ray adds (starting it, each worker's imports, its own processes) is measured by
 bench/download.py --verbose, which sums CPU over the whole process tree.
+
+With ``--decoders ROUNDS``, instead (no server), JPEG decoders side by side: in each round
+the variants take turns on every photo, so a round compares them under the same load:
+
+5. Pillow (draft, decode, ``tobytes``) against simplejpeg at the same scale (the stage's
+   ``_decode`` both ways), the same at full size (no draft), then ``process_image`` with
+   ``turbo=False`` and as it runs.
+6. simplejpeg's M/8 scales (its own choice: the smallest M/8 leaving both sides >= the
+   target, e.g. 3/8 for 1,280 -> 341x256) against the draft scale, not used by the stage:
+   CPU of decode + pixel hash + perceptual hashes + libvips resize, and PSNR of the
+   resized pixels against a Lanczos resize of the full-size decode.
 """
 
 from __future__ import annotations
@@ -38,8 +50,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import simplejpeg
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,8 +61,12 @@ from photoset import describe, photo_set  # noqa: E402
 from webhost import start_hosts  # noqa: E402
 
 from pairforge.config import DownloadConfig, ImageConfig, load_config  # noqa: E402
-from pairforge.filters.hashing import perceptual_hashes, phash_u64  # noqa: E402
-from pairforge.pipeline import download  # noqa: E402
+from pairforge.filters.hashing import (  # noqa: E402
+    perceptual_hashes,
+    phash_u64,
+    pixel_hash_hex,
+)
+from pairforge.pipeline import download, imageproc, jpegdecode  # noqa: E402
 from pairforge.pipeline.fetch import Fetcher  # noqa: E402
 from pairforge.pipeline.imageproc import process_image  # noqa: E402
 from pairforge.pipeline.resample import downscale  # noqa: E402
@@ -193,17 +211,140 @@ def shard(urls: list[str], repeats: int) -> None:
         print(f"   {name:32s} {ms:6.2f}")
 
 
+def interleaved(variants: dict[str, Callable], items: list, rounds: int
+                ) -> dict[str, list[float]]:
+    """Process-CPU ms per item of each variant in each round. The variants take turns on
+    every item, their order rotating, so each meets the same moments of a loaded
+    machine (load drifts over seconds; a whole pass per variant would not share them)."""
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for turn in range(rounds):
+        spent = dict.fromkeys(names, 0.0)
+        for i, item in enumerate(items):
+            shift = (turn + i) % len(names)
+            for name in names[shift:] + names[:shift]:
+                start = time.process_time()
+                variants[name](item)
+                spent[name] += time.process_time() - start
+        for name in names:
+            times[name].append(spent[name] / len(items) * 1e3)
+    return times
+
+
+def print_rounds(times: dict[str, list[float]]) -> None:
+    """min / median of each variant, and its per-round ratio to the first variant."""
+    first = next(iter(times.values()))
+    for name, ms in times.items():
+        ratios = sorted(m / f for m, f in zip(ms, first, strict=True))
+        print(f"   {name:52s} min {min(ms):6.2f}  median {np.median(ms):6.2f} ms"
+              f"   / first: median {np.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})")
+
+
+def stage_decode(body: bytes, turbo: bool, draft: bool = True
+                 ) -> tuple[Image.Image, bytes | memoryview]:
+    """The stage's decode of a photo for keep_ratio 256: Pillow's or simplejpeg's path."""
+    image = Image.open(io.BytesIO(body))
+    target = keep_ratio(*image.size) if draft else None
+    decoded = imageproc._decode(image, body, target, turbo)
+    if decoded is None:
+        return imageproc._pillow_rgb(image)
+    return imageproc._turbo_rgb(image, decoded)
+
+
+def decoders(bodies: list[bytes], rounds: int) -> None:
+    cfg = ImageConfig(image_size=SIZE, encode_quality=95)
+    same = sum(process_image(b, cfg) == process_image(b, cfg, turbo=False) for b in bodies)
+    print(f"5. Pillow against simplejpeg, {rounds} interleaved rounds, ms CPU per image "
+          f"(results equal on {same}/{len(bodies)}):")
+    print_rounds(interleaved({
+        "decode: Pillow draft + decode + tobytes (before)": lambda b: stage_decode(b, False),
+        "decode: simplejpeg + Pillow copy (now)": lambda b: stage_decode(b, True),
+    }, bodies, rounds))
+    print_rounds(interleaved({  # what a photo under 2x its target (no draft) costs
+        "decode at full size: Pillow": lambda b: stage_decode(b, False, draft=False),
+        "decode at full size: simplejpeg": lambda b: stage_decode(b, True, draft=False),
+    }, bodies, rounds))
+    print_rounds(interleaved({
+        "process_image, turbo=False (before)": lambda b: process_image(b, cfg, turbo=False),
+        "process_image (now)": lambda b: process_image(b, cfg),
+    }, bodies, rounds))
+
+
+def _after_decode(pixels: np.ndarray, target: tuple[int, int]) -> Image.Image:
+    """The stage's work on decoded pixels short of the encode: pixel hash, perceptual
+    hashes, libvips resize."""
+    height, width = pixels.shape[:2]
+    rgb = Image.frombuffer("RGB", (width, height), pixels, "raw", "RGB", 0, 1)
+    flat = memoryview(pixels).cast("B")
+    pixel_hash_hex(rgb, flat)
+    perceptual_hashes(rgb)
+    return downscale(flat, (width, height), target)
+
+
+def at_scale(body: bytes, eighths: bool) -> tuple[np.ndarray, tuple[int, int]]:
+    """simplejpeg's decode for keep_ratio 256: at the draft scale, or at its own M/8."""
+    size = Image.open(io.BytesIO(body)).size
+    target = keep_ratio(*size)
+    if eighths:
+        return simplejpeg.decode_jpeg(body, "rgb", min_width=target[0],
+                                      min_height=target[1]), target
+    return jpegdecode.decode(body, size, imageproc._draft_scale(size, target)), target
+
+
+def psnr(ours: Image.Image, reference: np.ndarray) -> float:
+    error = np.mean((np.asarray(ours, np.float64) - reference) ** 2)
+    return float(10 * np.log10(255.0 ** 2 / error)) if error else float("inf")
+
+
+def quality(bodies: list[bytes]) -> None:
+    scores: dict[str, list[float]] = defaultdict(list)
+    scales: dict[str, int] = defaultdict(int)
+    for body in bodies:
+        full = Image.open(io.BytesIO(body)).convert("RGB")
+        target = keep_ratio(*full.size)
+        reference = np.asarray(full.resize(target, Image.Resampling.LANCZOS), np.float64)
+        flat = np.asarray(full)
+        scores["full-size decode"].append(psnr(_after_decode(flat, target), reference))
+        for name, eighths in (("draft scale (stage)", False), ("M/8 scale", True)):
+            pixels, _ = at_scale(body, eighths)
+            scales[f"{name} {round(8 * pixels.shape[1] / full.width)}/8"] += 1
+            scores[name].append(psnr(_after_decode(pixels, target), reference))
+    print("   PSNR of the libvips resize against Pillow's Lanczos of the full-size decode:")
+    for name, values in scores.items():
+        print(f"   libvips from the {name:24s} mean {np.mean(values):6.2f} dB, "
+              f"min {min(values):6.2f}")
+    print("   decode scales (photos):", ", ".join(f"{k}: {v}" for k, v in sorted(scales.items())))
+
+
+def eighths_scales(bodies: list[bytes], rounds: int) -> None:
+    print(f"6. simplejpeg's M/8 scales (not used), {rounds} interleaved rounds, ms CPU per "
+          "image of decode + pixel hash + perceptual hashes + libvips resize:")
+    print_rounds(interleaved({
+        "draft scale (the stage)": lambda b: _after_decode(*at_scale(b, False)),
+        "M/8 scale": lambda b: _after_decode(*at_scale(b, True)),
+        "decode only, draft scale": lambda b: at_scale(b, False),
+        "decode only, M/8 scale": lambda b: at_scale(b, True),
+    }, bodies, rounds))
+    quality(bodies)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--photos", default="1280", help="web, coco, or a size in px")
     parser.add_argument("--images", type=int, default=200, help="photos in steps 1 and 2")
     parser.add_argument("--rows", type=int, default=1000, help="rows in steps 3 and 4")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decoders", type=int, default=0, metavar="ROUNDS",
+                        help="only JPEG decoders side by side (5. and 6.), in ROUNDS rounds")
     args = parser.parse_args()
     folder = photo_set(args.photos)
     files = sorted(folder.glob("*.jpg"))
     bodies = [f.read_bytes() for f in files[:args.images]]
     print(f"{describe(folder)}; keep_ratio {SIZE} jpg q95")
+    if args.decoders:
+        decoders(bodies, args.decoders)
+        eighths_scales(bodies, args.decoders)
+        return
     floor(bodies, args.repeats)
     image_pass(bodies, args.repeats)
     hosts = start_hosts(folder)
