@@ -11,7 +11,6 @@ work starts.
 
 from __future__ import annotations
 
-import io
 import json
 import posixpath
 from collections.abc import Iterator
@@ -19,15 +18,12 @@ from dataclasses import dataclass
 
 import fsspec
 import pyarrow as pa
-import pyarrow.csv as pacsv
-import pyarrow.json as pajson
-import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError, InputConfig
 from pairforge.shards.tar import iter_samples
+from pairforge.tables import detect_format, read_bytes, read_table_file
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-TABLE_FORMATS = ("txt", "csv", "tsv", "json", "jsonl", "parquet")
 BUNDLED_SAMPLE = "bundled-sample"
 
 
@@ -35,20 +31,6 @@ BUNDLED_SAMPLE = "bundled-sample"
 class InputShard:
     shard_id: int
     rows: pa.Table  # url, caption (binary), source, extras; row i gets key make_key(id, i)
-
-
-def _strip_compression(path: str) -> str:
-    return path[:-3] if path.endswith(".gz") else path
-
-
-def detect_format(path: str) -> str:
-    name = _strip_compression(path.lower())
-    if name.endswith(".tar"):
-        return "webdataset"
-    for fmt in TABLE_FORMATS:
-        if name.endswith("." + fmt):
-            return fmt
-    raise ConfigError(f"cannot tell the format of input {path!r}: set input.format")
 
 
 def _expand_paths(cfg: InputConfig) -> list[tuple[fsspec.AbstractFileSystem, str]]:
@@ -62,42 +44,6 @@ def _expand_paths(cfg: InputConfig) -> list[tuple[fsspec.AbstractFileSystem, str
             raise ConfigError(f"input.path {spec!r} does not exist or cannot be read")
         found += [(fs, m) for m in matches]
     return found
-
-
-def _read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
-    try:
-        with fs.open(path, "rb", compression="infer") as f:
-            return f.read()
-    except OSError as err:
-        raise ConfigError(f"cannot read input {path!r}: {err}") from None
-
-
-def read_table_file(fs: fsspec.AbstractFileSystem, path: str, fmt: str,
-                    column_types: dict[str, pa.DataType] | None = None,
-                    empty_is_null: bool = False, txt_column: str = "url") -> pa.Table:
-    """One table file (``fmt`` of TABLE_FORMATS) as read; ``column_types`` and
-    ``empty_is_null`` apply to csv/tsv, ``txt_column`` names a .txt file's one column."""
-    if fmt == "parquet":
-        with fs.open(path, "rb") as f:
-            return pq.read_table(f)
-    data = _read_bytes(fs, path)
-    if fmt == "txt":
-        lines = [line.strip() for line in data.decode("utf-8", "replace").splitlines()]
-        return pa.table({txt_column: [line for line in lines if line]})
-    if fmt in ("csv", "tsv"):
-        return pacsv.read_csv(
-            io.BytesIO(data),
-            parse_options=pacsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",",
-                                             newlines_in_values=True),
-            convert_options=pacsv.ConvertOptions(column_types=column_types or {},
-                                                 strings_can_be_null=empty_is_null),
-        )
-    if fmt == "jsonl":
-        return pajson.read_json(io.BytesIO(data))
-    rows = json.loads(data)
-    if not isinstance(rows, list):
-        raise ConfigError(f"input {path!r}: a .json input must hold a list of objects")
-    return pa.Table.from_pylist(rows)
 
 
 def _as_binary(column: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -139,7 +85,7 @@ def _folder_rows(fs: fsspec.AbstractFileSystem, root: str, cfg: InputConfig) -> 
     urls, captions = [], []
     for image in images:
         sidecar = posixpath.splitext(image)[0] + ".txt"
-        captions.append(_read_bytes(fs, sidecar).strip() if sidecar in sidecars else None)
+        captions.append(read_bytes(fs, sidecar).strip() if sidecar in sidecars else None)
         urls.append(fs.unstrip_protocol(image))
     return pa.table({"url": pa.array(urls, pa.string()),
                      "caption": pa.array(captions, pa.binary()),

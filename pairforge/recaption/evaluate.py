@@ -52,11 +52,11 @@ class Row:
 # -- the table -------------------------------------------------------------------------------
 
 def _read_arrow(path: Path) -> Any:
-    """The table, read as the build reads input tables (pipeline/inputs.py), except that
+    """The table, read as the build reads input tables (pairforge/tables.py), except that
     csv/tsv cells stay text (strata such as "1", "2") and empty ones are null."""
     import fsspec
 
-    from pairforge.pipeline.inputs import detect_format, read_table_file
+    from pairforge.tables import detect_format, read_table_file
 
     try:
         kind = detect_format(str(path))
