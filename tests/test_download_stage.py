@@ -212,8 +212,18 @@ def test_existing_tar_is_reprocessed_without_network(tmp_path, name):
         hashlib.sha256(p).hexdigest() for p in (photos[1], photos[0], photos[2])]
 
 
-def test_local_ray_runs_without_the_log_and_autoscaler_monitors(ray_local):
-    """init_ray leaves out two polling processes nothing of ours reads (ray_runtime)."""
+def _command_lines() -> list[str]:
+    lines = []
+    for entry in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            lines.append(entry.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:  # a process that ended while we looked
+            continue
+    return lines
+
+
+def test_local_ray_runs_without_the_monitors_and_the_dashboard(ray_local):
+    """init_ray leaves out three polling processes nothing of ours reads (ray_runtime)."""
     import ray
     from ray._private import ray_constants
 
@@ -221,6 +231,9 @@ def test_local_ray_runs_without_the_log_and_autoscaler_monitors(ray_local):
     assert ray_constants.PROCESS_TYPE_RAYLET in processes
     assert ray_constants.PROCESS_TYPE_LOG_MONITOR not in processes
     assert ray_constants.PROCESS_TYPE_MONITOR not in processes
+    assert ray_constants.PROCESS_TYPE_DASHBOARD not in processes
+    session = ray._private.worker._global_node.get_session_dir_path()
+    assert not [cmd for cmd in _command_lines() if "dashboard.py" in cmd and session in cmd]
 
     @ray.remote(num_cpus=1)
     def fails() -> None:

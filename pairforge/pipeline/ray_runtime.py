@@ -43,34 +43,41 @@ def _stderr_silenced() -> Iterator[None]:
 
 @contextmanager
 def _without_idle_daemons() -> Iterator[None]:
-    """A local instance without the log monitor and the autoscaler monitor.
+    """A local instance without the log monitor, the autoscaler monitor and the dashboard.
 
     The log monitor tails every worker's log files to forward them to the driver, which
     ``log_to_driver=False`` never shows; the monitor autoscales a cluster of one fixed
-    node. Each is a Python process that imports Ray and then polls: 1.4 and 1.1 s of CPU
-    in a short run on the (loaded) build machine, ~0.5 ms per image at 5,000 rows
-    (bench/RESULTS.md, stage 1). ``ray start`` has flags for both (--include-log-monitor,
-    --no-monitor), ``ray.init`` none, so its parameters are set on the way in; a cluster
-    (``address``) is joined as it is. A Ray without these attributes starts as it always
-    does.
+    node; the dashboard (started even with ``include_dashboard=False``, then with only its
+    usage-stats module, which ``RAY_USAGE_STATS_ENABLED=0`` idles) serves a web UI and the
+    state and job APIs, none of which a local run uses, and ``ray.init`` waits for it to
+    publish its address. Each is a Python process that imports Ray and then polls: 1.4,
+    1.1 and 1.45 s of CPU per run, and the dashboard ~1 s of ``ray.init``'s wall time
+    (bench/RESULTS.md, stage 1). ``ray start`` has flags for the first two
+    (--include-log-monitor, --no-monitor), ``ray.init`` none for any, so they are set on
+    the way in; a cluster (``address``) is joined as it is. A Ray without these
+    attributes starts as it always does.
     """
     try:
+        from ray._private.node import Node
         from ray._private.parameter import RayParams
     except ImportError:
         yield
         return
-    original = RayParams.__init__
+    original_params, original_api_server = RayParams.__init__, Node.start_api_server
 
     def quiet(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
+        original_params(self, *args, **kwargs)
         self.include_log_monitor = False
         self.no_monitor = True
 
-    RayParams.__init__ = quiet
+    def no_api_server(self: Any, **_: Any) -> None:
+        self._webui_url = None  # what Ray records when the dashboard cannot start
+
+    RayParams.__init__, Node.start_api_server = quiet, no_api_server
     try:
         yield
     finally:
-        RayParams.__init__ = original
+        RayParams.__init__, Node.start_api_server = original_params, original_api_server
 
 
 def local_system_config(cfg: RayConfig) -> dict[str, Any]:
