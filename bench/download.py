@@ -184,6 +184,16 @@ def summarise(runs: list[Run]) -> None:
         print(f"ratio pairforge/img2dataset (medians of {len(runs) // 2} run(s) each): "
               f"images/s {rates['pairforge'] / rates['img2dataset']:.2f}x, "
               f"CPU per image {cpus['img2dataset'] / cpus['pairforge']:.2f}x less", flush=True)
+        # The machine's speed drifts over minutes; the two runs of one repeat are adjacent
+        # in time, so their ratio is the comparison that drift disturbs least.
+        pairs = [dict((r.tool, r) for r in runs[i:i + 2]) for i in range(0, len(runs) - 1, 2)]
+        speed = [p["pairforge"].ok / p["pairforge"].seconds
+                 / (p["img2dataset"].ok / p["img2dataset"].seconds) for p in pairs]
+        cpu = [(p["img2dataset"].cpu_s / p["img2dataset"].ok)
+               / (p["pairforge"].cpu_s / p["pairforge"].ok) for p in pairs]
+        print("ratio per repeat (adjacent runs): images/s "
+              + ", ".join(f"{x:.2f}x" for x in speed) + "; CPU per image "
+              + ", ".join(f"{x:.2f}x" for x in cpu), flush=True)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
     python bench/stage1_profile.py                 # photos at 1,280 px (bench/photoset.py)
     python bench/stage1_profile.py --photos web    # 640-2,048 px; --photos coco: as shipped
     python bench/stage1_profile.py --decoders 15   # only 5. and 6., 15 interleaved rounds
+    python bench/stage1_profile.py --resizers 6    # only 7., 6 interleaved rounds
 
 CPU time, not wall time: the build machine is shared, and CPU per image is what decides
 how many images a core turns out. It is the whole process's CPU time, never one thread's:
@@ -33,6 +34,15 @@ the variants take turns on every photo, so a round compares them under the same 
    target, e.g. 3/8 for 1,280 -> 341x256) against the draft scale, not used by the stage:
    CPU of decode + pixel hash + perceptual hashes + libvips resize, and PSNR of the
    resized pixels against a Lanczos resize of the full-size decode.
+
+With ``--resizers ROUNDS`` (no server):
+
+7. Downscalers of the stage's decode (the draft scale) to keep_ratio 256, taking turns on
+   every photo: libvips with each of its kernels, Pillow's Lanczos, and, when OpenCV is
+   installed (``pip install opencv-python-headless``; not a pairforge dependency), its
+   linear, cubic and area resizes and a Gaussian pre-blur before a cubic one (cv2 on one
+   thread, as each of the stage's fetch threads would run it). CPU, and PSNR against
+   Pillow's Lanczos of the full-size decode.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pyvips
 import simplejpeg
 from PIL import Image
 
@@ -328,6 +339,70 @@ def eighths_scales(bodies: list[bytes], rounds: int) -> None:
     quality(bodies)
 
 
+def _vips(kernel: str) -> Callable:
+    def resize(item: tuple[np.ndarray, tuple[int, int]]) -> Image.Image:
+        pixels, target = item
+        if kernel == "lanczos3":  # the stage's own call
+            return downscale(memoryview(pixels).cast("B"), pixels.shape[1::-1], target)
+        height, width = pixels.shape[:2]
+        source = pyvips.Image.new_from_memory(memoryview(pixels).cast("B"), width, height,
+                                              3, "uchar")
+        out = source.resize(target[0] / width, vscale=target[1] / height, kernel=kernel)
+        return Image.frombuffer("RGB", (out.width, out.height), out.write_to_memory(),
+                                "raw", "RGB", 0, 1).crop((0, 0, *target))
+    return resize
+
+
+def _opencv_resizers() -> dict[str, Callable]:
+    try:
+        import cv2
+    except ImportError:
+        print("   (OpenCV not installed: its rows are left out)")
+        return {}
+    cv2.setNumThreads(1)
+
+    def plain(flag: int) -> Callable:
+        return lambda item: Image.fromarray(cv2.resize(*item, interpolation=flag))
+
+    def blurred(item: tuple[np.ndarray, tuple[int, int]]) -> Image.Image:
+        # sigma 0.5 (factor - 1), scikit-image's anti-aliasing rule
+        pixels, target = item
+        sigma_x = 0.5 * (pixels.shape[1] / target[0] - 1)
+        sigma_y = 0.5 * (pixels.shape[0] / target[1] - 1)
+        if sigma_x > 0:
+            pixels = cv2.GaussianBlur(pixels, (0, 0), sigmaX=sigma_x, sigmaY=sigma_y)
+        return Image.fromarray(cv2.resize(pixels, target, interpolation=cv2.INTER_CUBIC))
+
+    return {f"OpenCV {cv2.__version__} INTER_LINEAR": plain(cv2.INTER_LINEAR),
+            "OpenCV INTER_CUBIC": plain(cv2.INTER_CUBIC),
+            "OpenCV INTER_AREA": plain(cv2.INTER_AREA),
+            "OpenCV Gaussian blur + INTER_CUBIC": blurred}
+
+
+def resizers(bodies: list[bytes], rounds: int) -> None:
+    items = [(np.ascontiguousarray(at_scale(b, False)[0]), at_scale(b, False)[1])
+             for b in bodies]
+    print(f"7. Downscalers from the draft scale, {rounds} interleaved rounds, ms CPU per "
+          "image, and PSNR against Pillow's Lanczos of the full-size decode:")
+    variants = {f"libvips {k}{' (the stage)' if k == 'lanczos3' else ''}": _vips(k)
+                for k in ("lanczos3", "lanczos2", "cubic", "mitchell", "linear")}
+    variants["Pillow LANCZOS"] = lambda item: Image.fromarray(item[0]).resize(
+        item[1], Image.Resampling.LANCZOS)
+    variants.update(_opencv_resizers())
+    print_rounds(interleaved(variants, items, rounds))
+    scores: dict[str, list[float]] = defaultdict(list)
+    for body, item in zip(bodies, items, strict=True):
+        full = Image.open(io.BytesIO(body)).convert("RGB")
+        reference = np.asarray(full.resize(item[1], Image.Resampling.LANCZOS), np.float64)
+        if item[0].shape[:2] == (full.height, full.width):
+            continue  # no draft: Pillow's Lanczos would be the reference itself
+        for name, resize in variants.items():
+            scores[name].append(psnr(resize(item), reference))
+    for name, values in scores.items():
+        print(f"   PSNR {name:40s} mean {np.mean(values):6.2f} dB, min {min(values):6.2f} "
+              f"({len(values)} photos)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--photos", default="1280", help="web, coco, or a size in px")
@@ -336,6 +411,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decoders", type=int, default=0, metavar="ROUNDS",
                         help="only JPEG decoders side by side (5. and 6.), in ROUNDS rounds")
+    parser.add_argument("--resizers", type=int, default=0, metavar="ROUNDS",
+                        help="only downscalers side by side (7.), in ROUNDS rounds")
     args = parser.parse_args()
     folder = photo_set(args.photos)
     files = sorted(folder.glob("*.jpg"))
@@ -344,6 +421,9 @@ def main() -> None:
     if args.decoders:
         decoders(bodies, args.decoders)
         eighths_scales(bodies, args.decoders)
+        return
+    if args.resizers:
+        resizers(bodies, args.resizers)
         return
     floor(bodies, args.repeats)
     image_pass(bodies, args.repeats)

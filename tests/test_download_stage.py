@@ -6,6 +6,8 @@ import hashlib
 import io
 import json
 import tarfile
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -210,6 +212,45 @@ def test_existing_tar_is_reprocessed_without_network(tmp_path, name):
     assert [r["height"] for r in table] == [64, 64, 64]
     assert [r["sha256"] for r in table] == [
         hashlib.sha256(p).hexdigest() for p in (photos[1], photos[0], photos[2])]
+
+
+@pytest.mark.parametrize("image_threads", [1, 3])
+def test_image_pass_runs_at_most_image_threads_at_once(tmp_path, servers, monkeypatch,
+                                                      image_threads):
+    """Of a task's fetch threads, only download.image_threads run the image pass at once
+    (download.py: more cost CPU in cache misses); the others keep fetching."""
+    from pairforge.pipeline import download
+
+    running, peak, lock = 0, 0, threading.Lock()
+    original = download.process_image
+
+    def counted(body, cfg):  # noqa: ANN001, ANN202
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        time.sleep(0.05)  # long enough for the other threads' fetches to finish meanwhile
+        try:
+            return original(body, cfg)
+        finally:
+            with lock:
+                running -= 1
+
+    monkeypatch.setattr(download, "process_image", counted)
+    good, _ = servers
+    names = sorted(p.name for p in COCO_IMAGES.glob("*.jpg"))[:12]
+    inp = tmp_path / "in.csv"
+    _write_csv(inp, [(good.url(f"/img/{names[i % len(names)]}"), b"a photo", "ok")
+                     for i in range(24)])
+    cfg = parse_config({
+        "input": {"path": str(inp), "shard_size": 24},
+        "output": {"path": str(tmp_path / "out")},
+        "download": {"threads": 8, "image_threads": image_threads,
+                     "allow_addresses": ["127.0.0.1/32"], "image": {"image_size": 64}}})
+    with input_shards(cfg) as shards:
+        stats = download_shard(shards[0], cfg)
+    assert stats["status"] == {"ok": 24}
+    assert peak == image_threads
 
 
 def _command_lines() -> list[str]:

@@ -1,12 +1,16 @@
 """Stage 1: fetch, verify, resize, re-encode and hash one shard of input rows.
 
-One shard is one Ray task; inside it a thread pool overlaps network waits while Pillow
-(which releases the GIL while decoding and resizing) keeps the task's CPU busy.
+One shard is one Ray task; inside it a thread pool overlaps network waits, and at most
+``image_threads`` of those threads (one by default: the CPU the task holds) run the image
+pass at a time. Thirty-two images decoded at once, each thread switched out mid-image,
+cost 20-25 % more CPU per image than one at a time (bench/RESULTS.md, stage 1): every
+switch brings another ~1 MB of pixels through the caches.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -69,6 +73,7 @@ class ShardDownloader:
         self.cfg, self.fetcher = cfg, fetcher
         self.caption_required = cfg.input.caption_col is not None
         self.tar_bytes = tar_bytes  # images of rows that come from existing tars
+        self.image_slots = threading.Semaphore(cfg.download.image_threads)
 
     def _fetch(self, url: str | None, source: str | None) -> FetchResult:
         if source is None:
@@ -95,7 +100,8 @@ class ShardDownloader:
         record["http_status"] = fetched.http_status
         if fetched.status != Status.OK:
             return {**record, "status": fetched.status.value, "error": fetched.error}, None
-        image = process_image(fetched.body, self.cfg.download.image)
+        with self.image_slots:
+            image = process_image(fetched.body, self.cfg.download.image)
         if isinstance(image, ImageFailure):
             return {**record, "status": image.status.value, "error": image.error}, None
         record.update(

@@ -30,9 +30,9 @@ from pairforge.shards.storage import (
 # Config sections that decide each stage's bytes.
 STAGE_SECTIONS = {"download": ("input", "download"), "process": ("dedup", "process")}
 # Leaf names that change speed or politeness, not what is written.
-PERFORMANCE_KEYS = {"threads", "processes", "per_host_connections", "timeout", "retries",
-                    "backoff", "max_retry_after", "user_agent_token", "pool_size",
-                    "batch_size", "num_cpus", "num_gpus", "resources", "torch_threads",
+PERFORMANCE_KEYS = {"threads", "image_threads", "processes", "per_host_connections",
+                    "timeout", "retries", "backoff", "max_retry_after", "user_agent_token",
+                    "pool_size", "batch_size", "num_cpus", "num_gpus", "resources", "torch_threads",
                     "concurrency", "timeout_s", "workers", "storage_options"}
 # The version of what each stage writes for given settings. Bump it with any change that
 # makes a stage write other bytes under the same settings (tests/test_golden.py fails on
