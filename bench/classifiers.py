@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 from stage_step import (
-    _fresh,
     add_stage_args,
+    cleared,
     compare,
     decode,
     make_raw,
@@ -117,7 +117,7 @@ def interleaved(n: int, bare, process: dict, label: str, multiples: int,  # noqa
                 started = time.process_time()  # this process and its torch threads
                 bares[size].append(bare(out / "raw"))
                 cpu["bare"][size].append(time.process_time() - started)
-                run, stage_cpu = tree_cpu(lambda o=out: stage_seconds(_fresh(o), process))
+                run, stage_cpu = tree_cpu(lambda o=out: stage_seconds(cleared(o), process))
                 stages[size].append(run)
                 cpu["stage"][size].append(stage_cpu)
         steps = json.loads((outs[sizes[-1]] / "manifest.json").read_text())["steps"]
@@ -189,7 +189,7 @@ def heads(args: argparse.Namespace, folder: Path) -> None:
     aesthetic = {"name": "aesthetic", "backend": "clip-head", "path": str(head),
                  "batch_size": args.batch_size, "pool_size": 1, "num_cpus": 0.1}
     init_ray(RayConfig())
-    stage_seconds(_fresh(out), {"clip": clip})  # warm-up: workers have imported torch
+    stage_seconds(cleared(out), {"clip": clip})  # warm-up: workers have imported torch
     print(f"clip-head: ViT-B-32 CLIP (random weights, fp32), {n} images, batch "
           f"{args.batch_size}; {pool_label(args)}")
     for label, process in (("CLIP only", {"clip": clip}),
@@ -204,7 +204,7 @@ def heads(args: argparse.Namespace, folder: Path) -> None:
 
 
 def _run(out: Path, process: dict) -> tuple[float, int, dict]:
-    seconds, ok = stage_seconds(_fresh(out), process)
+    seconds, ok = stage_seconds(cleared(out), process)
     steps = json.loads((out / "manifest.json").read_text())["steps"]
     return seconds, ok, steps
 

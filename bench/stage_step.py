@@ -125,7 +125,7 @@ def compare(n: int, bare: Callable[[Path], tuple[float, int]], process: dict[str
         # A first, unmeasured run on a few images, on both sides, so that both measured
         # runs start alike (Ray's worker processes have imported torch; caches are warm).
         stage_seconds(outs.pop(warmup), process)
-        stages = {size: _best(repeats, lambda o=out: stage_seconds(_fresh(o), process))
+        stages = {size: _best(repeats, lambda o=out: stage_seconds(cleared(o), process))
                   for size, out in outs.items()}
     print(label)
     for size in sizes:
@@ -145,7 +145,7 @@ def _best(repeats: int, run: Callable[[], tuple[float, int]]) -> tuple[float, in
     return min((run() for _ in range(repeats)), key=lambda r: r[0])
 
 
-def _fresh(out: Path) -> Path:
+def cleared(out: Path) -> Path:
     """``out`` without a previous stage-3 run's output, so the stage redoes every shard."""
     import shutil
 
