@@ -3,8 +3,8 @@
 One shard is one Ray task; inside it a thread pool overlaps network waits, and at most
 ``image_threads`` of those threads (one by default: the CPU the task holds) run the image
 pass at a time. Thirty-two images decoded at once, each thread switched out mid-image,
-cost 20-25 % more CPU per image than one at a time (bench/RESULTS.md, stage 1): every
-switch brings another ~1 MB of pixels through the caches.
+cost 14-31 % more CPU per image than one at a time (bench/RESULTS.md, stage 1), most
+likely because every switch brings another ~1 MB of pixels through the caches.
 """
 
 from __future__ import annotations
