@@ -77,10 +77,18 @@ class Run:
     peak_rss: int
     top: list[tuple[str, float]]  # CPU seconds of the busiest process names
 
+    @property
+    def rate(self) -> float:
+        return self.ok / self.seconds  # images/s
+
+    @property
+    def cpu_per_image(self) -> float:
+        return self.cpu_s / self.ok  # seconds
+
     def line(self) -> str:
         top = ", ".join(f"{name} {s:.1f}" for name, s in self.top)
         return (f"{self.tool:12s}: {self.ok:6d}/{self.rows} ok in {self.seconds:6.2f} s = "
-                f"{self.ok / self.seconds:6.1f} images/s; CPU {self.cpu_s / self.ok * 1e3:5.2f} "
+                f"{self.rate:6.1f} images/s; CPU {self.cpu_per_image * 1e3:5.2f} "
                 f"ms/image (server {self.server_cpu_s / self.ok * 1e3:.2f}); peak RSS "
                 f"{self.peak_rss / 2**20:6.0f} MiB; CPU s by process: {top}")
 
@@ -178,19 +186,17 @@ def summarise(runs: list[Run]) -> None:
     for tool in TOOLS:
         mine = [r for r in runs if r.tool == tool]
         if mine:
-            rates[tool] = sorted(r.ok / r.seconds for r in mine)[len(mine) // 2]
-            cpus[tool] = sorted(r.cpu_s / r.ok for r in mine)[len(mine) // 2]
+            rates[tool] = sorted(r.rate for r in mine)[len(mine) // 2]
+            cpus[tool] = sorted(r.cpu_per_image for r in mine)[len(mine) // 2]
     if len(rates) == 2:
         print(f"ratio pairforge/img2dataset (medians of {len(runs) // 2} run(s) each): "
               f"images/s {rates['pairforge'] / rates['img2dataset']:.2f}x, "
               f"CPU per image {cpus['img2dataset'] / cpus['pairforge']:.2f}x less", flush=True)
         # The machine's speed drifts over minutes; the two runs of one repeat are adjacent
         # in time, so their ratio is the comparison that drift disturbs least.
-        pairs = [dict((r.tool, r) for r in runs[i:i + 2]) for i in range(0, len(runs) - 1, 2)]
-        speed = [p["pairforge"].ok / p["pairforge"].seconds
-                 / (p["img2dataset"].ok / p["img2dataset"].seconds) for p in pairs]
-        cpu = [(p["img2dataset"].cpu_s / p["img2dataset"].ok)
-               / (p["pairforge"].cpu_s / p["pairforge"].ok) for p in pairs]
+        pairs = [{r.tool: r for r in runs[i:i + 2]} for i in range(0, len(runs) - 1, 2)]
+        speed = [p["pairforge"].rate / p["img2dataset"].rate for p in pairs]
+        cpu = [p["img2dataset"].cpu_per_image / p["pairforge"].cpu_per_image for p in pairs]
         print("ratio per repeat (adjacent runs): images/s "
               + ", ".join(f"{x:.2f}x" for x in speed) + "; CPU per image "
               + ", ".join(f"{x:.2f}x" for x in cpu), flush=True)

@@ -380,8 +380,8 @@ def _opencv_resizers() -> dict[str, Callable]:
 
 
 def resizers(bodies: list[bytes], rounds: int) -> None:
-    items = [(np.ascontiguousarray(at_scale(b, False)[0]), at_scale(b, False)[1])
-             for b in bodies]
+    items = [(np.ascontiguousarray(pixels), target)
+             for pixels, target in (at_scale(b, False) for b in bodies)]
     print(f"7. Downscalers from the draft scale, {rounds} interleaved rounds, ms CPU per "
           "image, and PSNR against Pillow's Lanczos of the full-size decode:")
     variants = {f"libvips {k}{' (the stage)' if k == 'lanczos3' else ''}": _vips(k)
