@@ -76,6 +76,7 @@ class Run:
     server_cpu_s: float
     peak_rss: int
     top: list[tuple[str, float]]  # CPU seconds of the busiest process names
+    tail_s: float  # from the end of the last full round of shards to the last shard's end
 
     @property
     def rate(self) -> float:
@@ -90,7 +91,8 @@ class Run:
         return (f"{self.tool:12s}: {self.ok:6d}/{self.rows} ok in {self.seconds:6.2f} s = "
                 f"{self.rate:6.1f} images/s; CPU {self.cpu_per_image * 1e3:5.2f} "
                 f"ms/image (server {self.server_cpu_s / self.ok * 1e3:.2f}); peak RSS "
-                f"{self.peak_rss / 2**20:6.0f} MiB; CPU s by process: {top}")
+                f"{self.peak_rss / 2**20:6.0f} MiB; tail {self.tail_s:4.1f} s; CPU s by "
+                f"process: {top}")
 
 
 def ensure_img2dataset() -> None:
@@ -132,6 +134,14 @@ def successes(out: Path) -> int:
     return sum(json.loads(p.read_text())["successes"] for p in out.glob("**/*_stats.json"))
 
 
+def tail_seconds(out: Path, processes: int) -> float:
+    """Seconds in which fewer shards ran than processes at the end of the run: from the end
+    of the ``processes``-th last shard to the end of the last (both tools record each
+    shard's end time in its stats file)."""
+    ends = sorted(json.loads(p.read_text())["end_time"] for p in out.glob("**/*_stats.json"))
+    return ends[-1] - ends[-processes] if len(ends) >= processes else 0.0
+
+
 def run_tool(tool: str, inp: Path, out: Path, rows: int, server_pids: list[int],
              args: argparse.Namespace, overrides: list[str]) -> Run:
     cmd = (img2dataset_cmd(inp, out, args) if tool == "img2dataset"
@@ -148,7 +158,8 @@ def run_tool(tool: str, inp: Path, out: Path, rows: int, server_pids: list[int],
         for pid, proc in sorted(tree.procs.items(), key=lambda kv: -kv[1].cpu_s):
             print(f"    {pid:8d} {proc.name:16s} {proc.cpu_s:6.2f} s CPU, "
                   f"peak RSS {proc.peak_rss / 2**20:5.0f} MiB")
-    run = Run(tool, successes(out), rows, seconds, tree.cpu_s, server, tree.peak_rss, top)
+    run = Run(tool, successes(out), rows, seconds, tree.cpu_s, server, tree.peak_rss, top,
+              tail_seconds(out, args.processes))
     shutil.rmtree(out, ignore_errors=True)
     return run
 

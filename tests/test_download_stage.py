@@ -214,29 +214,34 @@ def test_existing_tar_is_reprocessed_without_network(tmp_path, name):
         hashlib.sha256(p).hexdigest() for p in (photos[1], photos[0], photos[2])]
 
 
-@pytest.mark.parametrize("image_threads", [1, 3])
-def test_image_pass_runs_at_most_image_threads_at_once(tmp_path, servers, monkeypatch,
-                                                      image_threads):
-    """Of a task's fetch threads, only download.image_threads run the image pass at once
-    (download.py: more cost CPU in cache misses); the others keep fetching."""
+def _image_pass_peak(monkeypatch) -> dict[str, int]:  # noqa: ANN001
+    """Counts the image passes running at once inside download_shard (``peak``)."""
     from pairforge.pipeline import download
 
-    running, peak, lock = 0, 0, threading.Lock()
+    seen, lock = {"running": 0, "peak": 0}, threading.Lock()
     original = download.process_image
 
     def counted(body, cfg):  # noqa: ANN001, ANN202
-        nonlocal running, peak
         with lock:
-            running += 1
-            peak = max(peak, running)
+            seen["running"] += 1
+            seen["peak"] = max(seen["peak"], seen["running"])
         time.sleep(0.05)  # long enough for the other threads' fetches to finish meanwhile
         try:
             return original(body, cfg)
         finally:
             with lock:
-                running -= 1
+                seen["running"] -= 1
 
     monkeypatch.setattr(download, "process_image", counted)
+    return seen
+
+
+@pytest.mark.parametrize("image_threads", [1, 3])
+def test_image_pass_runs_at_most_image_threads_at_once(tmp_path, servers, monkeypatch,
+                                                      image_threads):
+    """Of a task's fetch threads, only download.image_threads run the image pass at once
+    (download.py: more cost CPU in cache misses); the others keep fetching."""
+    seen = _image_pass_peak(monkeypatch)
     good, _ = servers
     names = sorted(p.name for p in COCO_IMAGES.glob("*.jpg"))[:12]
     inp = tmp_path / "in.csv"
@@ -250,7 +255,72 @@ def test_image_pass_runs_at_most_image_threads_at_once(tmp_path, servers, monkey
     with input_shards(cfg) as shards:
         stats = download_shard(shards[0], cfg)
     assert stats["status"] == {"ok": 24}
-    assert peak == image_threads
+    assert seen["peak"] == image_threads
+
+
+@pytest.mark.parametrize(("slots", "cores", "expected"), [(3, 8, 3), (3, 2, 2), (1, 8, 1)])
+def test_image_pass_widens_to_the_slots_the_runner_answers(tmp_path, servers, monkeypatch,
+                                                           slots, cores, expected):
+    """In the run's tail the progress report answers with more task slots; the image pass
+    widens to slots x image_threads, within the node's cores."""
+    from pairforge.pipeline import download
+
+    seen = _image_pass_peak(monkeypatch)
+    monkeypatch.setattr(download, "local_cores", lambda: cores)
+    good, _ = servers
+    names = sorted(p.name for p in COCO_IMAGES.glob("*.jpg"))[:12]
+    inp = tmp_path / "in.csv"
+    _write_csv(inp, [(good.url(f"/img/{names[i % len(names)]}"), b"a photo", "ok")
+                     for i in range(40)])
+    cfg = parse_config({
+        "input": {"path": str(inp), "shard_size": 40},
+        "output": {"path": str(tmp_path / "out")},
+        "download": {"threads": 8, "allow_addresses": ["127.0.0.1/32"],
+                     "image": {"image_size": 64}}})
+    reports: list[int] = []
+
+    def progress(counts: Counter) -> int:
+        reports.append(sum(counts.values()))
+        return slots
+
+    with input_shards(cfg) as shards:
+        stats = download_shard(shards[0], cfg, progress=progress)
+    assert stats["status"] == {"ok": 40}
+    assert sum(reports) == 40 and len(reports) >= 2  # widened before the last rows
+    assert seen["peak"] == expected
+
+
+def test_runner_hands_finished_tasks_slots_to_the_running_ones(ray_local):
+    """Through real Ray: once no task waits, the counter actor answers a running task's
+    report with the slots the finished ones left (slots_per_task)."""
+    import ray
+
+    from pairforge.pipeline.counter import ProgressCounter
+    from pairforge.pipeline.runner import _run_bounded, slots_per_task
+
+    assert [slots_per_task(2, 3, 2), slots_per_task(2, 0, 1), slots_per_task(16, 0, 5),
+            slots_per_task(16, 0, 0), slots_per_task(4, 1, 3)] == [1, 2, 3, 1, 1]
+
+    @ray.remote(num_cpus=1)
+    def task(item: str, counter) -> tuple[str, list[int]]:  # noqa: ANN001
+        answers = [ray.get(counter.add.remote({"ok": 1}))]
+        deadline = time.monotonic() + 30
+        while item == "slow" and answers[-1] == 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            answers.append(ray.get(counter.add.remote({})))
+        return item, answers
+
+    counter = ray.remote(num_cpus=0)(ProgressCounter).remote()
+    results: list[tuple[str, list[int]]] = []
+    _run_bounded(["slow", "fast", "fast"], lambda item: task.remote(item, counter), 2,
+                 on_tick=lambda finished: None, on_result=results.append,
+                 on_slots=counter.share.remote)
+    # Each "fast" reported while the other one waited or ran beside "slow": one slot;
+    # "slow" ran on alone and was answered with the two.
+    assert sorted(results) == [("fast", [1]), ("fast", [1]), ("slow", results[-1][1])]
+    assert results[-1][0] == "slow" and results[-1][1][-1] == 2
+    assert ray.get(counter.total.remote()) == {"ok": 3}
+    ray.kill(counter)
 
 
 def _command_lines() -> list[str]:

@@ -11,13 +11,19 @@ from collections import Counter
 
 
 class ProgressCounter:
-    """Ray actor body: tasks add per-status counts; the driver reads the running total."""
+    """Ray actor body: tasks add per-status counts and learn, in reply, how many task slots
+    each may use; the driver reads the running total and sets the slots."""
 
     def __init__(self) -> None:
         self.counts: Counter = Counter()
+        self.slots = 1
 
-    def add(self, delta: dict[str, int]) -> None:
+    def add(self, delta: dict[str, int]) -> int:
         self.counts.update(delta)
+        return self.slots
 
     def total(self) -> dict[str, int]:
         return dict(self.counts)
+
+    def share(self, slots: int) -> None:
+        self.slots = slots

@@ -4,12 +4,16 @@ One shard is one Ray task; inside it a thread pool overlaps network waits, and a
 ``image_threads`` of those threads (one by default: the CPU the task holds) run the image
 pass at a time. Thirty-two images decoded at once, each thread switched out mid-image,
 cost 14-31 % more CPU per image than one at a time (bench/RESULTS.md, stage 1), most
-likely because every switch brings another ~1 MB of pixels through the caches.
+likely because every switch brings another ~1 MB of pixels through the caches. In the
+run's tail, when no shard waits for a slot, the runner hands the CPUs of finished tasks to
+those still running (``progress`` answers with the task slots this one may use), and the
+image pass widens to match, up to the node's cores.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import Counter, defaultdict
@@ -29,7 +33,14 @@ from pairforge.shards.raw import RawShardWriter
 from pairforge.shards.storage import RAW_FOLDER, OutputDir
 from pairforge.shards.tar import iter_samples, split_member_name
 
-ProgressFn = Callable[[Counter], None]
+# Reports rows done by status; answers with the task slots this task may use (or None).
+ProgressFn = Callable[[Counter], "int | None"]
+
+
+def local_cores() -> int:
+    """The cores this process may run on (a container's CPU set, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
 
 
 def decode_caption(raw: bytes | None, required: bool) -> tuple[str | None, str | None]:
@@ -74,6 +85,17 @@ class ShardDownloader:
         self.caption_required = cfg.input.caption_col is not None
         self.tar_bytes = tar_bytes  # images of rows that come from existing tars
         self.image_slots = threading.Semaphore(cfg.download.image_threads)
+        self.image_capacity = cfg.download.image_threads
+
+    def use_slots(self, slots: int) -> None:
+        """Let ``slots`` times ``image_threads`` image passes run at once, within the
+        node's cores (never fewer than configured). Only ever widens: the tail's slots
+        only grow as tasks finish."""
+        wanted = min(slots * self.cfg.download.image_threads,
+                     max(self.cfg.download.image_threads, local_cores()))
+        for _ in range(wanted - self.image_capacity):
+            self.image_slots.release()
+        self.image_capacity = max(self.image_capacity, wanted)
 
     def _fetch(self, url: str | None, source: str | None) -> FetchResult:
         if source is None:
@@ -145,7 +167,7 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig,
                            image.format if image else None, _sample_meta(record))
                 pending[record["status"]] += 1
                 if progress and time.monotonic() - last_report > 0.5:
-                    progress(pending)
+                    worker.use_slots(progress(pending) or 1)
                     pending, last_report = Counter(), time.monotonic()
     except BaseException as exc:
         writer.abort(exc)

@@ -39,7 +39,9 @@ def input_shards(cfg: PairforgeConfig) -> Iterator[list[InputShard]]:
 
 
 def _download_task(shard: InputShard, cfg: PairforgeConfig, counter: Any) -> dict[str, Any]:
-    return download_shard(shard, cfg, progress=lambda c: counter.add.remote(dict(c)))
+    import ray
+
+    return download_shard(shard, cfg, progress=lambda c: ray.get(counter.add.remote(dict(c))))
 
 
 def run_download(cfg: PairforgeConfig, show_progress: bool = True,
@@ -81,7 +83,8 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
 
         started = time.time()
         with display:
-            _run_bounded(todo, lambda s: task.remote(s, cfg, counter), limit, tick, done_shard)
+            _run_bounded(todo, lambda s: task.remote(s, cfg, counter), limit, tick, done_shard,
+                         on_slots=counter.share.remote)
         ray.kill(counter)
         seconds = time.time() - started
     # A task attempt killed with its node leaves its temporary file; its retry wrote the
@@ -106,12 +109,20 @@ def run_dedup_stage(cfg: PairforgeConfig, force: bool = False,
     return {**stats, "log": log}
 
 
-def _run_bounded(items: list, submit, limit: int, on_tick, on_result=None) -> None:  # noqa: ANN001
-    """Keep at most ``limit`` tasks in flight (bounded memory), ticking the display;
-    ``on_result`` gets each task's result as it finishes."""
+def slots_per_task(limit: int, queued: int, running: int) -> int:
+    """Task slots each running task may use: one while tasks wait for a slot; once none
+    waits (the run's tail), the slots of finished tasks spread over those still running."""
+    return 1 if queued or not running else max(1, limit // running)
+
+
+def _run_bounded(items: list, submit, limit: int, on_tick, on_result=None,  # noqa: ANN001
+                 on_slots=None) -> None:  # noqa: ANN001
+    """Keep at most ``limit`` tasks in flight (bounded memory), ticking the display with
+    the tasks finished; ``on_result`` gets each task's result as it finishes, and
+    ``on_slots`` each new ``slots_per_task`` while tasks run."""
     import ray
 
-    queue, in_flight, finished = list(items), [], 0
+    queue, in_flight, finished, slots = list(items), [], 0, 1
     while queue or in_flight:
         while queue and len(in_flight) < limit:
             in_flight.append(submit(queue.pop(0)))
@@ -123,6 +134,10 @@ def _run_bounded(items: list, submit, limit: int, on_tick, on_result=None) -> No
                 on_result(result)
             finished += 1
         on_tick(finished)
+        now = slots_per_task(limit, len(queue), len(in_flight))
+        if on_slots and in_flight and now != slots:
+            on_slots(now)
+        slots = now
 
 
 def summarise(out: OutputDir, folder: str, shard_ids: list[int]) -> dict[str, Any]:
