@@ -19,7 +19,7 @@ from conftest import COCO_IMAGES
 from loopback_server import LoopbackServer
 from PIL import Image
 
-from pairforge.config import parse_config
+from pairforge.config import PairforgeConfig, parse_config
 from pairforge.pipeline.download import download_shard
 from pairforge.pipeline.runner import input_shards, run_download
 
@@ -236,22 +236,27 @@ def _image_pass_peak(monkeypatch) -> dict[str, int]:  # noqa: ANN001
     return seen
 
 
+def _photos_shard_config(tmp_path: Path, good: LoopbackServer, rows: int,
+                         **download: object) -> PairforgeConfig:
+    """One shard of ``rows`` COCO photos from ``good``, 8 fetch threads, 64 px output."""
+    names = sorted(p.name for p in COCO_IMAGES.glob("*.jpg"))[:12]
+    inp = tmp_path / "in.csv"
+    _write_csv(inp, [(good.url(f"/img/{names[i % len(names)]}"), b"a photo", "ok")
+                     for i in range(rows)])
+    return parse_config({
+        "input": {"path": str(inp), "shard_size": rows},
+        "output": {"path": str(tmp_path / "out")},
+        "download": {"threads": 8, "allow_addresses": ["127.0.0.1/32"],
+                     "image": {"image_size": 64}, **download}})
+
+
 @pytest.mark.parametrize("image_threads", [1, 3])
 def test_image_pass_runs_at_most_image_threads_at_once(tmp_path, servers, monkeypatch,
                                                       image_threads):
     """Of a task's fetch threads, only download.image_threads run the image pass at once
     (download.py: more cost CPU in cache misses); the others keep fetching."""
     seen = _image_pass_peak(monkeypatch)
-    good, _ = servers
-    names = sorted(p.name for p in COCO_IMAGES.glob("*.jpg"))[:12]
-    inp = tmp_path / "in.csv"
-    _write_csv(inp, [(good.url(f"/img/{names[i % len(names)]}"), b"a photo", "ok")
-                     for i in range(24)])
-    cfg = parse_config({
-        "input": {"path": str(inp), "shard_size": 24},
-        "output": {"path": str(tmp_path / "out")},
-        "download": {"threads": 8, "image_threads": image_threads,
-                     "allow_addresses": ["127.0.0.1/32"], "image": {"image_size": 64}}})
+    cfg = _photos_shard_config(tmp_path, servers[0], 24, image_threads=image_threads)
     with input_shards(cfg) as shards:
         stats = download_shard(shards[0], cfg)
     assert stats["status"] == {"ok": 24}
@@ -267,16 +272,7 @@ def test_image_pass_widens_to_the_slots_the_runner_answers(tmp_path, servers, mo
 
     seen = _image_pass_peak(monkeypatch)
     monkeypatch.setattr(download, "local_cores", lambda: cores)
-    good, _ = servers
-    names = sorted(p.name for p in COCO_IMAGES.glob("*.jpg"))[:12]
-    inp = tmp_path / "in.csv"
-    _write_csv(inp, [(good.url(f"/img/{names[i % len(names)]}"), b"a photo", "ok")
-                     for i in range(40)])
-    cfg = parse_config({
-        "input": {"path": str(inp), "shard_size": 40},
-        "output": {"path": str(tmp_path / "out")},
-        "download": {"threads": 8, "allow_addresses": ["127.0.0.1/32"],
-                     "image": {"image_size": 64}}})
+    cfg = _photos_shard_config(tmp_path, servers[0], 40)
     reports: list[int] = []
 
     def progress(counts: Counter) -> int:
