@@ -130,15 +130,15 @@ def pairforge_cmd(inp: Path, out: Path, args: argparse.Namespace,
             *[arg for s in sets for arg in ("--set", s)]]
 
 
-def successes(out: Path) -> int:
-    return sum(json.loads(p.read_text())["successes"] for p in out.glob("**/*_stats.json"))
+def shard_stats(out: Path) -> list[dict]:
+    """Every shard's stats file (both tools write ``*_stats.json`` beside each tar)."""
+    return [json.loads(p.read_text()) for p in out.glob("**/*_stats.json")]
 
 
-def tail_seconds(out: Path, processes: int) -> float:
+def tail_seconds(stats: list[dict], processes: int) -> float:
     """Seconds in which fewer shards ran than processes at the end of the run: from the end
-    of the ``processes``-th last shard to the end of the last (both tools record each
-    shard's end time in its stats file)."""
-    ends = sorted(json.loads(p.read_text())["end_time"] for p in out.glob("**/*_stats.json"))
+    of the ``processes``-th last shard to the end of the last."""
+    ends = sorted(s["end_time"] for s in stats)
     return ends[-1] - ends[-processes] if len(ends) >= processes else 0.0
 
 
@@ -158,8 +158,9 @@ def run_tool(tool: str, inp: Path, out: Path, rows: int, server_pids: list[int],
         for pid, proc in sorted(tree.procs.items(), key=lambda kv: -kv[1].cpu_s):
             print(f"    {pid:8d} {proc.name:16s} {proc.cpu_s:6.2f} s CPU, "
                   f"peak RSS {proc.peak_rss / 2**20:5.0f} MiB")
-    run = Run(tool, successes(out), rows, seconds, tree.cpu_s, server, tree.peak_rss, top,
-              tail_seconds(out, args.processes))
+    stats = shard_stats(out)
+    run = Run(tool, sum(s["successes"] for s in stats), rows, seconds, tree.cpu_s, server,
+              tree.peak_rss, top, tail_seconds(stats, args.processes))
     shutil.rmtree(out, ignore_errors=True)
     return run
 

@@ -78,7 +78,8 @@ class DownloadConfig(Strict):
     threads: int = Field(32, gt=0, description="fetch threads per shard task")
     image_threads: int = Field(
         1, gt=0, description="of those, how many decode, hash, resize and encode at once "
-                             "(one per CPU a task holds; more cost CPU per image)")
+                             "(one per CPU a task holds, widened in the run's tail; more cost "
+                             "CPU per image)")
     timeout: float = Field(10.0, gt=0, description="seconds per request (connect and read)")
     retries: int = Field(2, ge=0, description="extra tries after 429/5xx/connection errors")
     backoff: float = Field(0.5, ge=0, description="first retry delay, doubled each try")

@@ -271,7 +271,7 @@ def test_image_pass_widens_to_the_slots_the_runner_answers(tmp_path, servers, mo
     from pairforge.pipeline import download
 
     seen = _image_pass_peak(monkeypatch)
-    monkeypatch.setattr(download, "local_cores", lambda: cores)
+    monkeypatch.setattr(download, "usable_cores", lambda: cores)
     cfg = _photos_shard_config(tmp_path, servers[0], 40)
     reports: list[int] = []
 

@@ -13,7 +13,6 @@ image pass widens to match, up to the node's cores.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections import Counter, defaultdict
@@ -24,6 +23,7 @@ from typing import Any
 import fsspec
 
 from pairforge.config import PairforgeConfig
+from pairforge.machine import usable_cores
 from pairforge.pipeline.fetch import Fetcher, FetchResult
 from pairforge.pipeline.imageproc import ImageFailure, ProcessedImage, process_image
 from pairforge.pipeline.inputs import InputShard
@@ -35,12 +35,6 @@ from pairforge.shards.tar import iter_samples, split_member_name
 
 # Reports rows done by status; answers with the task slots this task may use (or None).
 ProgressFn = Callable[[Counter], "int | None"]
-
-
-def local_cores() -> int:
-    """The cores this process may run on (a container's CPU set, not the host's)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
 
 
 def decode_caption(raw: bytes | None, required: bool) -> tuple[str | None, str | None]:
@@ -92,7 +86,7 @@ class ShardDownloader:
         node's cores (never fewer than configured). Only ever widens: the tail's slots
         only grow as tasks finish."""
         wanted = min(slots * self.cfg.download.image_threads,
-                     max(self.cfg.download.image_threads, local_cores()))
+                     max(self.cfg.download.image_threads, usable_cores()))
         for _ in range(wanted - self.image_capacity):
             self.image_slots.release()
         self.image_capacity = max(self.image_capacity, wanted)

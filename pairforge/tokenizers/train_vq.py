@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from pairforge.machine import usable_cores
 from pairforge.tokenizers import vqvae
 from pairforge.tokenizers.vq_tokenizer import preprocessing_description, resize_center_crop
 
@@ -217,7 +217,4 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 def default_threads() -> int:
     """All cores this process may use (the CLI trains alone on the machine)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return usable_cores()
