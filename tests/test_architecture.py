@@ -1,9 +1,10 @@
 """The layer rule of docs/ARCHITECTURE.md, checked on every module's imports.
 
-Layers, lowest first: the ground floor (config, records, stage, images, retry, tables); the
-domain packages (filters, tokenizers, recaption, shards, train, sample, scenes); pipeline
-(Ray orchestration); cli (verbs). A module may import its own layer and those below it,
-never one above: a domain package that needs the pipeline has its logic in the wrong place.
+Layers, lowest first: the ground floor (config, records, stage, images, retry, tables,
+machine); the domain packages (filters, tokenizers, recaption, shards, train, sample,
+scenes); pipeline (Ray orchestration); cli (verbs). A module may import its own layer and
+those below it, never one above: a domain package that needs the pipeline has its logic in
+the wrong place.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pairforge"
-GROUND = {"config", "records", "stage", "images", "retry", "tables", "__init__"}
+GROUND = {"config", "records", "stage", "images", "retry", "tables", "machine", "__init__"}
 DOMAIN = {"filters", "tokenizers", "recaption", "shards", "train", "sample", "scenes"}
 LAYERS = {"ground": 0, "domain": 1, "pipeline": 2, "cli": 3}
 
