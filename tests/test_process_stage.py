@@ -113,7 +113,13 @@ def _tar_keys(out: Path) -> list[str]:
     return [s["__key__"] for s in wds.WebDataset(tars, shardshuffle=False)]
 
 
-def test_threshold_mode_scores_match_bare_open_clip(tmp_path, coco_raw, tiny_clip, ray_local):
+def test_threshold_mode_scores_match_bare_open_clip(tmp_path, coco_raw, tiny_clip, ray_local,
+                                                   monkeypatch):
+    from ray.data import DataContext
+
+    # Ray Data is quieted where stage 3 builds its dataset (init_ray no longer imports it)
+    monkeypatch.setattr(DataContext.get_current(), "enable_progress_bars", True)
+    monkeypatch.setattr(DataContext.get_current(), "print_on_execution_start", True)
     bare = _bare_open_clip_scores(coco_raw / "raw", tiny_clip)
     eligible = {k: s for k, s in bare.items() if k != "000000003"}  # 'tiny' fails basic
     threshold = float(np.median(list(eligible.values())))
@@ -133,6 +139,8 @@ def test_threshold_mode_scores_match_bare_open_clip(tmp_path, coco_raw, tiny_cli
     assert len(kept) == sum(np.float32(s) >= threshold for s in eligible.values())
     stats = json.loads((out / "shards" / "00000_stats.json").read_text())
     assert stats["clip_model"].startswith("pf-tiny-clip/") and stats["count"] == 10
+    context = DataContext.get_current()
+    assert not context.enable_progress_bars and not context.print_on_execution_start
 
 
 def test_top_fraction_keeps_exactly_the_highest_scores(tmp_path, coco_raw, tiny_clip, ray_local):

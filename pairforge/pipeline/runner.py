@@ -126,8 +126,8 @@ def _run_bounded(items: list, submit, limit: int, on_tick, on_result=None,  # no
     while queue or in_flight:
         while queue and len(in_flight) < limit:
             in_flight.append(submit(queue.pop(0)))
-        ready, in_flight = ray.wait(in_flight, num_returns=len(in_flight), timeout=0.5,
-                                    fetch_local=False)
+        # the first task to finish frees its slot at once, not at the next tick
+        ready, in_flight = ray.wait(in_flight, num_returns=1, timeout=0.5, fetch_local=False)
         for ref in ready:
             result = ray.get(ref)  # re-raises a task's error in the driver
             if on_result:

@@ -21,6 +21,7 @@ from pairforge.config import PairforgeConfig
 from pairforge.pipeline.placement import TASK_CPUS, add_steps, fit_actor_cpus
 from pairforge.pipeline.plan import ShardPlan
 from pairforge.pipeline.progress import StageDisplay
+from pairforge.pipeline.ray_runtime import quiet_ray_data
 from pairforge.records import STEP_INPUT_COLUMNS, Status
 from pairforge.shards.raw import shard_name
 from pairforge.shards.storage import RAW_FOLDER, SCORES_FOLDER, OutputDir
@@ -99,6 +100,7 @@ def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
     """Run the step chain over the planned shards, handing each full shard to ``writer``."""
     import ray
 
+    quiet_ray_data()
     write = ray.remote(num_cpus=TASK_CPUS, max_retries=cfg.ray.max_task_retries)(writer)
     by_id = {p.shard_id: p for p in plans}
     buffers: dict[int, list[pa.Table]] = defaultdict(list)
