@@ -11,7 +11,10 @@ regenerate the fixture and say why in the commit:
 The inputs are drawn here (no third-party images) and served over loopback; the models are
 the package's shipped captioner and VQ and a tiny open_clip with seeded random weights.
 Volatile values (timings, temporary paths, versions of the run's environment) are left out
-of the digest; everything a reader of the dataset sees is in it.
+of the digest; everything a reader of the dataset sees is in it. Floating-point values
+(model scores) are pinned apart, to ``FLOAT_TOLERANCE``: torch's CPU kernels differ by
+instruction set, so the same build on another processor moves their last bits (every
+integer, string and token stays exact).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ ROOT = Path(tempfile.gettempdir()) / "pairforge-golden"
 PORT = 47391
 VOLATILE_KEYS = {"seconds", "rows_per_s", "duration_s", "start_time", "end_time", "created",
                  "pairforge_version", "versions", "log"}
+FLOAT_TOLERANCE = 1e-4  # last-bit differences between CPUs are ~1e-7
 
 
 def draw_scenes(folder: Path, n: int = 30, seed: int = 5) -> list[tuple[str, str]]:
@@ -143,42 +147,82 @@ def build(models: Path = PACKAGE / "sample", root: Path = ROOT) -> Path:
     return root / "out"
 
 
-def _stable_json(value: Any, root: str) -> Any:
+def _stable_json(value: Any, root: str, floats: list[float]) -> Any:
+    """``value`` without volatile keys, ``root`` as ROOT, and each float moved to
+    ``floats`` (in key order), None in its place."""
     if isinstance(value, dict):
-        return {k: _stable_json(v, root) for k, v in sorted(value.items())
+        return {k: _stable_json(value[k], root, floats) for k in sorted(value)
                 if k not in VOLATILE_KEYS}
     if isinstance(value, list):
-        return [_stable_json(v, root) for v in value]
+        return [_stable_json(v, root, floats) for v in value]
     if isinstance(value, str):
         return value.replace(root, "ROOT")
+    if isinstance(value, float):
+        floats.append(value)
+        return None
     return value
 
 
-def _tar_contents(path: Path) -> bytes:
-    """Member names and bytes in order: the headers' mtime says when the shard was written."""
+def _json_bytes(data: bytes, root: str, floats: list[float]) -> bytes:
+    return json.dumps(_stable_json(json.loads(data), root, floats), sort_keys=True).encode()
+
+
+def _tar_contents(path: Path, root: str, floats: list[float]) -> bytes:
+    """Member names and bytes in order (the headers' mtime says when the shard was written;
+    JSON members as ``_json_bytes``)."""
     parts = []
     with tarfile.open(path) as tar:
         for member in tar:
-            parts += [member.name.encode(), tar.extractfile(member).read()]
+            data = tar.extractfile(member).read()
+            if member.name.endswith(".json"):
+                data = _json_bytes(data, root, floats)
+            parts += [member.name.encode(), data]
     return b"\0".join(parts)
 
 
-def digest(out: Path) -> dict[str, str]:
-    """sha256 of every file under OUT; tars by their members, JSON without volatile keys."""
+def _parquet_contents(path: Path, root: str, floats: list[float]) -> bytes:
+    """The schema and every row (floats moved out, as ``_stable_json``): what a reader
+    sees, whatever the writer's encoding and compression."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    schema = table.schema.to_string(show_schema_metadata=False).encode()
+    return schema + b"\0" + _json_bytes(json.dumps(table.to_pylist()).encode(), root, floats)
+
+
+def digest(out: Path) -> dict[str, dict[str, Any]]:
+    """Per file under OUT: sha256 of its contents with volatile keys and floats left out
+    (tars by their members, parquet by schema and rows), and its floats in order."""
     root = str(out.parent)
     digests = {}
     for path in sorted(p for p in out.rglob("*") if p.is_file()):
         name = str(path.relative_to(out))
         if name.startswith("logs/"):
             continue  # a run's log says when it ran
+        floats: list[float] = []
         data = path.read_bytes()
         if path.suffix == ".tar":
-            data = _tar_contents(path)
+            data = _tar_contents(path, root, floats)
+        elif path.suffix == ".parquet":
+            data = _parquet_contents(path, root, floats)
         elif path.suffix == ".json":
-            stable = _stable_json(json.loads(data), root)
-            data = json.dumps(stable, sort_keys=True).encode()
-        digests[name] = hashlib.sha256(data).hexdigest()
+            data = _json_bytes(data, root, floats)
+        digests[name] = {"sha256": hashlib.sha256(data).hexdigest(), "floats": floats}
     return digests
+
+
+def differences(found: dict[str, dict[str, Any]],
+                expected: dict[str, dict[str, Any]]) -> list[str]:
+    """Files whose contents differ, or whose floats differ by more than FLOAT_TOLERANCE."""
+    changed = []
+    for name in sorted(expected):
+        a, b = found[name], expected[name]
+        close = len(a["floats"]) == len(b["floats"]) and all(
+            x == y or abs(x - y) <= FLOAT_TOLERANCE  # == for the infinities of limits
+            for x, y in zip(a["floats"], b["floats"], strict=True))
+        if a["sha256"] != b["sha256"] or not close:
+            changed.append(name)
+    return changed
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """The golden build (tests/golden.py): every file of a small dataset built through every
-stage and step has the bytes pinned in tests/data/golden_digest.json.
+stage and step has its contents pinned in tests/data/golden_digest.json (floats to
+golden.FLOAT_TOLERANCE, since CPUs differ in their last bits).
 
 A refactor that changes what the pipeline writes fails here, file by file. After a change
 meant to change the output, regenerate with `python tests/golden.py --update` and say in
@@ -22,5 +23,5 @@ def test_the_golden_build_writes_the_pinned_bytes():
     finally:
         golden.shutil.rmtree(golden.ROOT, ignore_errors=True)
     assert sorted(found) == sorted(expected), "files added or missing"
-    changed = sorted(name for name in expected if found[name] != expected[name])
+    changed = golden.differences(found, expected)
     assert not changed, f"bytes changed in {changed} (see tests/golden.py to regenerate)"
