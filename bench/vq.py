@@ -4,6 +4,8 @@ model over the same images and batch size; plus the trained tokenizer's quality.
     python bench/vq.py                                  # everything, 2 threads
     python bench/vq.py --backends ours --checkpoint out/vq64
     python bench/vq.py --backends emu3 --images 2 --batch-size 2
+    python bench/vq.py --backends chameleon,janus,emu3 --device cuda --dtype bfloat16 \
+        --images 256 --batch-size 32 --images-dir tests/data/coco/images   # on a GPU
 
 * ours: a pairforge-vq checkpoint (``--checkpoint``; without one, one is trained first with
   the train-vq defaults). Also reports reconstruction PSNR and codebook usage on the COCO
@@ -13,8 +15,10 @@ model over the same images and batch size; plus the trained tokenizer's quality.
   only. Chameleon at 256 px, Janus at 384 px, Emu3 at about 256^2 pixels.
 
 The bare loop is what one writes by hand with the model's own preprocessing: the image
-processor on a batch, then the VQ's encode. Both paths see identical images in identical
-batches; the ratio is wrapper / bare (1.0 = no overhead). Codes of both paths are compared.
+processor on a batch, then the VQ's encode (on ``--device``, in ``--dtype``, the codes
+copied back to the host). Both paths see identical images in identical batches; the
+ratio is wrapper / bare (1.0 = no overhead). Codes of both paths are compared. With more
+``--images`` than the folder holds, its photos are used again in turn.
 """
 
 from __future__ import annotations
@@ -46,9 +50,13 @@ COCO = REPO.parent / "shared/data/coco-sample/images"
 RESOLUTION = {"chameleon": 256, "janus": 384, "emu3": 256}
 
 
+IMAGES = COCO  # --images-dir
+
+
 def load_images(n: int) -> list[Image.Image]:
-    blobs = [b for b, _ in zip(iter_image_bytes([COCO]), range(n), strict=False)]
-    return [Image.open(io.BytesIO(b)).convert("RGB") for b in blobs]
+    blobs = [b for b, _ in zip(iter_image_bytes([IMAGES]), range(n), strict=False)]
+    photos = [Image.open(io.BytesIO(b)).convert("RGB") for b in blobs]
+    return [photos[i % len(photos)] for i in range(n)]
 
 
 def timed(fn: Callable[[], list[np.ndarray]]) -> tuple[float, list[np.ndarray]]:
@@ -66,7 +74,8 @@ def bare_ours(tok: PairforgeVQTokenizer, images: list[Image.Image], bs: int) -> 
     out: list[np.ndarray] = []
     with torch.inference_mode():
         for chunk in batches(images, bs):
-            out.extend(tok.model.encode(tok.preprocess(chunk)).to(torch.int32).numpy())
+            pixels = tok.preprocess(chunk).to(tok.device)
+            out.extend(tok.model.encode(pixels).to(torch.int32).cpu().numpy())
     return out
 
 
@@ -75,15 +84,16 @@ def bare_hf(tok: HFVQTokenizer, images: list[Image.Image], bs: int) -> list[np.n
     with torch.inference_mode():
         for chunk in batches(images, bs):
             inputs = tok.processor(chunk, return_tensors="pt")
-            pixels = inputs["pixel_values"]
+            pixels = inputs["pixel_values"].to(tok.device, tok.dtype)
             if tok.backend == "emu3":  # the processor pads the batch; encode crops per image
-                out.extend(t.to(torch.int32).numpy() for t in
-                           tok.vq.encode(pixels, inputs["image_sizes"]).image_tokens)
+                sizes = inputs["image_sizes"].to(tok.device)
+                out.extend(t.to(torch.int32).cpu().numpy() for t in
+                           tok.vq.encode(pixels, sizes).image_tokens)
             else:
                 f = tok.downsample
                 codes = tok.vq.encode(pixels).image_tokens
                 codes = codes.view(len(chunk), pixels.shape[2] // f, pixels.shape[3] // f)
-                out.extend(codes.to(torch.int32).numpy())
+                out.extend(codes.to(torch.int32).cpu().numpy())
     return out
 
 
@@ -122,16 +132,17 @@ def run_ours(args: argparse.Namespace) -> list[dict]:
         from pairforge.tokenizers.train_vq import train_vq
 
         checkpoint = Path(tempfile.mkdtemp()) / "vq"
-        train_vq(COCO, checkpoint, num_threads=args.threads, log=None)
+        train_vq(IMAGES, checkpoint, num_threads=args.threads, log=None)
         print(f"trained a checkpoint with the train-vq defaults: {checkpoint}", flush=True)
-    tok = PairforgeVQTokenizer(checkpoint)
+    tok = PairforgeVQTokenizer(checkpoint, device=args.device)
     saved = json.loads((Path(checkpoint) / "config.json").read_text()).get("train_metrics", {})
-    whole = evaluate(tok.model, load_arrays([COCO], tok.resolution))
+    on_cpu = tok if args.device == "cpu" else PairforgeVQTokenizer(checkpoint)  # quality
+    whole = evaluate(on_cpu.model, load_arrays([IMAGES], tok.resolution))
     print(f"quality    {tok.resolution}px K={tok.codebook_size} f={tok.downsample}: held-out "
           f"PSNR {saved.get('psnr', float('nan')):.2f} dB, usage "
           f"{saved.get('codebook_usage', float('nan')):.1%}, perplexity "
           f"{saved.get('perplexity', float('nan')):.0f} ({saved.get('held_out_images')} imgs); "
-          f"all {len(load_arrays([COCO], tok.resolution))} COCO-sample imgs: PSNR "
+          f"all {len(load_arrays([IMAGES], tok.resolution))} photos of {IMAGES}: PSNR "
           f"{whole['psnr']:.2f} dB, usage {whole['codebook_usage']:.1%}, perplexity "
           f"{whole['perplexity']:.0f}", flush=True)
     images = load_images(args.our_images)
@@ -142,7 +153,8 @@ def run_ours(args: argparse.Namespace) -> list[dict]:
 def run_hf(backend: str, args: argparse.Namespace, workdir: Path) -> dict:
     start = time.perf_counter()
     path = tiny.save_vq(backend, workdir / backend, size="real")
-    tok = HFVQTokenizer(backend, str(path), resolution=RESOLUTION[backend])
+    tok = HFVQTokenizer(backend, str(path), resolution=RESOLUTION[backend],
+                        device=args.device, dtype=getattr(torch, args.dtype))
     params = sum(p.numel() for p in tok.vq.parameters()) / 1e6
     print(f"{backend:10s} built+saved+loaded {params:.0f}M params in "
           f"{time.perf_counter() - start:.0f}s", flush=True)
@@ -194,13 +206,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats (ours)")
     parser.add_argument("--hf-repeats", type=int, default=1, help="timing repeats (transformers)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--device", default="cpu", help="torch device of both paths")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="transformers models' weights and inputs")
+    parser.add_argument("--images-dir", type=Path, default=COCO,
+                        help="photos to encode (default: the shared COCO sample)")
     add_pool_args(parser)  # --stage: the tokenize pool and the sizes measured
     parser.add_argument("--stage", action="store_true",
                         help="measure the tokenize step inside stage 3 instead (N, 2N, .. "
                         "--multiples times N images; ours needs --checkpoint)")
     args = parser.parse_args()
+    global IMAGES
+    IMAGES = args.images_dir
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, "
+          f"{args.dtype}", flush=True)
     rows: list[dict] = []
     if args.stage:
         with tempfile.TemporaryDirectory() as tmp:

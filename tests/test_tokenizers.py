@@ -87,6 +87,20 @@ def test_decode_of_encode_has_the_input_shape(tokenizers: dict[str, HFVQTokenize
 
 
 @pytest.mark.parametrize("backend", ["emu3", "janus", "chameleon"])
+def test_images_of_any_mode_encode_as_their_rgb(tokenizers: dict[str, HFVQTokenizer],
+                                                backend: str) -> None:
+    """An RGB image goes to the processor as it is (no copy); grey, palette and alpha
+    images are converted first, and give the codes of their RGB conversion."""
+    rgb = noise_images([(40, 60)])[0]
+    others = [rgb.convert("L"), rgb.convert("P"), rgb.convert("RGBA")]
+    tok = tokenizers[backend]
+    got = tok.encode([rgb, *others])
+    want = tok.encode([rgb] + [im.convert("RGB") for im in others])
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    assert [im.mode for im in others] == ["L", "P", "RGBA"]  # the caller's images untouched
+
+
+@pytest.mark.parametrize("backend", ["emu3", "janus", "chameleon"])
 def test_empty_batch(tokenizers: dict[str, HFVQTokenizer], backend: str) -> None:
     assert tokenizers[backend].encode([]) == []
 

@@ -244,7 +244,7 @@ class HFVQTokenizer(ImageTokenizer):
     def preprocess(self, images: list[Image.Image]) -> list[torch.Tensor]:
         """One (3, H, W) tensor per image, unpadded (Emu3 sizes differ per image)."""
         extra = {"do_pad": False} if self.backend == "emu3" else {}
-        rgb = [im.convert("RGB") for im in images]
+        rgb = [im if im.mode == "RGB" else im.convert("RGB") for im in images]
         pixels = self.processor(rgb, return_tensors=None, **extra)["pixel_values"]
         return [torch.as_tensor(np.asarray(p)) for p in pixels]
 
