@@ -79,19 +79,20 @@ def draw_scenes(folder: Path, n: int = 30, seed: int = 5) -> list[tuple[str, str
     return rows
 
 
-def tiny_clip(folder: Path) -> dict[str, str]:
-    """A tiny open_clip with seeded random weights, as a local checkpoint + model config."""
+def tiny_clip(folder: Path, name: str = "pf-golden-clip") -> dict[str, str]:
+    """A tiny open_clip with seeded random weights, as a local checkpoint + model config
+    registered as ``name`` (the clip section of a config)."""
     import open_clip
     import torch
 
     folder.mkdir(parents=True, exist_ok=True)
-    config = folder / "pf-golden-clip.json"
+    config = folder / f"{name}.json"
     config.write_text(json.dumps(TINY_CLIP))
     open_clip.add_model_config(config)
     torch.manual_seed(0)
-    model, _, _ = open_clip.create_model_and_transforms("pf-golden-clip")
+    model, _, _ = open_clip.create_model_and_transforms(name)
     torch.save(model.state_dict(), folder / "clip.pt")
-    return {"model": "pf-golden-clip", "pretrained": str(folder / "clip.pt"),
+    return {"model": name, "pretrained": str(folder / "clip.pt"),
             "model_config_path": str(config)}
 
 

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import golden
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -26,30 +27,14 @@ from pairforge.config import parse_config
 from pairforge.pipeline import process as process_module
 from pairforge.pipeline.process import run_process
 
-TINY_CLIP = {"embed_dim": 32,
-             "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8,
-                            "head_width": 32},
-             "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2,
-                          "layers": 2}}
 N_IMAGES = 40
 
 
 @pytest.fixture(scope="session")
 def tiny_clip(tmp_path_factory) -> dict:
-    """A tiny open_clip model (random weights) saved as a local checkpoint + model config."""
-    import open_clip
-    import torch
-
-    folder = tmp_path_factory.mktemp("clip")
-    config = folder / "pf-tiny-clip.json"
-    config.write_text(json.dumps(TINY_CLIP))
-    open_clip.add_model_config(config)
-    torch.manual_seed(0)
-    model, _, _ = open_clip.create_model_and_transforms("pf-tiny-clip")
-    checkpoint = folder / "tiny.pt"
-    torch.save(model.state_dict(), checkpoint)
-    return {"model": "pf-tiny-clip", "pretrained": str(checkpoint),
-            "model_config_path": str(config)}
+    """The golden build's tiny open_clip (random weights), saved as a local checkpoint +
+    model config named pf-tiny-clip."""
+    return golden.tiny_clip(tmp_path_factory.mktemp("clip"), name="pf-tiny-clip")
 
 
 def _coco_rows() -> list[tuple[str, str]]:
@@ -155,7 +140,7 @@ def test_top_fraction_keeps_exactly_the_highest_scores(tmp_path, coco_raw, tiny_
     embeddings = np.load(out / "embeddings" / "00000.npy")
     keys = json.loads((out / "embeddings" / "00000_keys.json").read_text())
     assert sorted(keys) == sorted(k for k in scored if k.startswith("00000"))
-    assert embeddings.shape == (len(keys), TINY_CLIP["embed_dim"])
+    assert embeddings.shape == (len(keys), golden.TINY_CLIP["embed_dim"])
     assert np.allclose(np.linalg.norm(embeddings, axis=1), 1, atol=1e-4)
 
 
