@@ -73,6 +73,27 @@ def test_fixed_size_backends_give_square_grids(tokenizers: dict[str, HFVQTokeniz
     assert tok.resolution == 32 and tok.downsample == 2 and tok.codebook_size == 64
 
 
+@pytest.mark.parametrize("backend", ["janus", "chameleon"])
+def test_fixed_size_batches_give_the_codes_of_the_bare_model(
+        tokenizers: dict[str, HFVQTokenizer], backend: str) -> None:
+    """Batches of 2 over 5 photos (the last one short): each image's codes are those of
+    the bare processor and VQ on that image alone, in input order."""
+    import torch
+
+    tok = tokenizers[backend]
+    images = noise_images(SIZES + [(30, 30)], seed=4)
+    saved, tok.batch_size = tok.batch_size, 2
+    try:
+        grids = tok.encode(images)
+    finally:
+        tok.batch_size = saved
+    for image, grid in zip(images, grids, strict=True):
+        pixels = tok.processor([image], return_tensors="pt")["pixel_values"]
+        with torch.inference_mode():
+            bare = tok.vq.encode(pixels).image_tokens.view(16, 16)
+        assert np.array_equal(grid, bare.numpy())
+
+
 @pytest.mark.parametrize(("backend", "sizes"), [
     ("emu3", [(32, 32), (16, 32), (24, 30)]),  # sizes the processor keeps as they are
     ("janus", [(32, 32), (32, 32)]),
