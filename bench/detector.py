@@ -2,7 +2,8 @@
 
     python bench/detector.py [--images 32] [--nouns 3] [--batch 8] [--base-seconds] [--tiny-only]
                               [--threads 1]
-    python bench/detector.py --device cuda [--images 256] [--batch 32] [--photos DIR]
+    python bench/detector.py --device cuda [--images 64] [--batch 16] [--rounds 2]
+                              [--kinds owlvit,owlv2] [--photos tests/data/coco/images]
 
 1. The tiny random-weight OWL-ViT of the tests (pairforge.recaption.tiny), timed through
    the backend (DetectorGrounding.scores: processor, forward, best box per query) on CPU
@@ -183,9 +184,6 @@ def device_rates(kind: str, device: str, photos: list[Image.Image], n_nouns: int
     """ms per image: the stage's scores(), the bare forward (inputs on the device), and
     the processor alone; each the best of ``rounds`` passes over ``photos``."""
     import torch
-
-    from pairforge.config import GroundingConfig
-    from pairforge.recaption.grounding import load_grounding
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_base_detector(kind, Path(tmp) / kind)
