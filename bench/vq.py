@@ -50,11 +50,8 @@ COCO = REPO.parent / "shared/data/coco-sample/images"
 RESOLUTION = {"chameleon": 256, "janus": 384, "emu3": 256}
 
 
-IMAGES = COCO  # --images-dir
-
-
-def load_images(n: int) -> list[Image.Image]:
-    blobs = [b for b, _ in zip(iter_image_bytes([IMAGES]), range(n), strict=False)]
+def load_images(folder: Path, n: int) -> list[Image.Image]:
+    blobs = [b for b, _ in zip(iter_image_bytes([folder]), range(n), strict=False)]
     photos = [Image.open(io.BytesIO(b)).convert("RGB") for b in blobs]
     return [photos[i % len(photos)] for i in range(n)]
 
@@ -132,20 +129,21 @@ def run_ours(args: argparse.Namespace) -> list[dict]:
         from pairforge.tokenizers.train_vq import train_vq
 
         checkpoint = Path(tempfile.mkdtemp()) / "vq"
-        train_vq(IMAGES, checkpoint, num_threads=args.threads, log=None)
+        train_vq(args.images_dir, checkpoint, num_threads=args.threads, log=None)
         print(f"trained a checkpoint with the train-vq defaults: {checkpoint}", flush=True)
     tok = PairforgeVQTokenizer(checkpoint, device=args.device)
     saved = json.loads((Path(checkpoint) / "config.json").read_text()).get("train_metrics", {})
     on_cpu = tok if args.device == "cpu" else PairforgeVQTokenizer(checkpoint)  # quality
-    whole = evaluate(on_cpu.model, load_arrays([IMAGES], tok.resolution))
+    arrays = load_arrays([args.images_dir], tok.resolution)
+    whole = evaluate(on_cpu.model, arrays)
     print(f"quality    {tok.resolution}px K={tok.codebook_size} f={tok.downsample}: held-out "
           f"PSNR {saved.get('psnr', float('nan')):.2f} dB, usage "
           f"{saved.get('codebook_usage', float('nan')):.1%}, perplexity "
           f"{saved.get('perplexity', float('nan')):.0f} ({saved.get('held_out_images')} imgs); "
-          f"all {len(load_arrays([IMAGES], tok.resolution))} photos of {IMAGES}: PSNR "
+          f"all {len(arrays)} photos of {args.images_dir}: PSNR "
           f"{whole['psnr']:.2f} dB, usage {whole['codebook_usage']:.1%}, perplexity "
           f"{whole['perplexity']:.0f}", flush=True)
-    images = load_images(args.our_images)
+    images = load_images(args.images_dir, args.our_images)
     row = compare("ours", tok, bare_ours, images, args.our_batch_size, args.repeats)
     return [{**row, "quality_held_out": saved, "quality_all_sample": whole}]
 
@@ -159,7 +157,7 @@ def run_hf(backend: str, args: argparse.Namespace, workdir: Path) -> dict:
     print(f"{backend:10s} built+saved+loaded {params:.0f}M params in "
           f"{time.perf_counter() - start:.0f}s", flush=True)
     n_images = args.images or (2 if backend == "emu3" else 4)
-    return compare(backend, tok, bare_hf, load_images(n_images), args.batch_size,
+    return compare(backend, tok, bare_hf, load_images(args.images_dir, n_images), args.batch_size,
                    args.hf_repeats)
 
 
@@ -216,8 +214,6 @@ def main() -> None:
                         help="measure the tokenize step inside stage 3 instead (N, 2N, .. "
                         "--multiples times N images; ours needs --checkpoint)")
     args = parser.parse_args()
-    global IMAGES
-    IMAGES = args.images_dir
     torch.set_num_threads(args.threads)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device}, "
