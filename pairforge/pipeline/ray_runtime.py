@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -151,6 +152,8 @@ def init_ray(cfg: RayConfig) -> None:
                          **common)
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    atexit.unregister(shutdown_ray)  # once, however many times a process starts Ray
+    atexit.register(shutdown_ray)
 
 
 def quiet_ray_data() -> None:
@@ -175,6 +178,9 @@ def driver_local_actor(cls: type, *args: Any) -> Any:
 
 
 def shutdown_ray() -> None:
+    """Leave Ray before its own exit hook does: that hook sleeps 0.5 s first so that
+    workers' log lines reach the console, and ``log_to_driver=False`` forwards none.
+    Hooks run last-registered first, so ``init_ray``'s registration comes before Ray's."""
     import ray
 
     if ray.is_initialized():
