@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import io
 import json
 import subprocess
@@ -365,11 +366,28 @@ def test_local_ray_finds_its_node_as_soon_as_it_registers(ray_local):
     assert services.get_node.__qualname__ == "get_node"
 
 
+def _raylet_workers(raylet: int) -> list[str]:
+    """Command lines of the raylet's worker processes (its two agents left out)."""
+    from pathlib import Path  # again: a subprocess runs this function's source alone
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, IndexError, ValueError):  # a process that ended while we looked
+            continue
+        if parent == raylet and "agent" not in command.lower():
+            found.append(command)
+    return found
+
+
 def test_a_driver_starts_and_leaves_ray_without_needless_waits(tmp_path):
     """Stages 1 and 2 never build a Ray Data dataset, so their driver does not pay the
     ~0.5 s of importing it (stage 3 quiets Ray Data where it builds one), nor pandas' 0.1 s
-    for reading a parquet input; at exit, ``init_ray``'s hook leaves Ray once (however
-    often Ray was started) before Ray's own hook would sleep 0.5 s first."""
+    for reading a parquet input; no worker process is started before a task asks for one
+    (``local_system_config``); at exit, ``init_ray``'s hook leaves Ray once (however often
+    Ray was started) before Ray's own hook would sleep 0.5 s first."""
     table = tmp_path / "input.parquet"
     pq.write_table(pa.table({"url": ["http://127.0.0.1/a.jpg"]}), table)
     script = ("import atexit, sys, time\n"
@@ -386,11 +404,14 @@ def test_a_driver_starts_and_leaves_ray_without_needless_waits(tmp_path):
               "init_ray(RayConfig(num_cpus=1, object_store_memory=100 * 1024**2))\n"
               "init_ray(RayConfig(num_cpus=1))\n"
               "print('ray.data' in sys.modules, 'pandas' in sys.modules, rows.num_rows)\n"
+              "raylet = worker._global_node.all_processes['raylet'][0].process.pid\n"
+              "print(len(_raylet_workers(raylet)))\n"
               "calls, sleeps, shutdown = [], [], ray.shutdown\n"
               "ray.shutdown = lambda *a, **k: calls.append(1) or shutdown(*a, **k)\n"
               "worker.time = type('Clock', (), {'sleep': staticmethod(sleeps.append),\n"
               "                                 'time': staticmethod(time.time)})\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)
+    helper = inspect.getsource(_raylet_workers)
+    done = subprocess.run([sys.executable, "-c", helper + script], capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["False False 1", "[1] [] False"]
+    assert done.stdout.splitlines() == ["False False 1", "0", "[1] [] False"]

@@ -126,9 +126,15 @@ def local_system_config(cfg: RayConfig) -> dict[str, Any]:
     """Ray settings of a local instance (a cluster sets them with ``RAY_<name>`` at
     ``ray start``). Ray kills idle workers beyond one per CPU after a second, and actors
     count: while model pools hold the CPUs, each reading or writing task of stage 3 would
-    start a fresh worker process (~1 s of CPU). Twice the CPUs keeps the task workers."""
+    start a fresh worker process (~1 s of CPU). Twice the CPUs keeps the task workers.
+
+    Ray also starts one worker per CPU as the driver connects, before any task asks, and
+    at most one per CPU at a time: the stage's first tasks and its progress actor then
+    wait for a third worker started only once those two are up, and a fourth nobody uses
+    starts with it. Started on demand instead, the first shard begins ~0.3 s sooner with
+    one process less (bench/RESULTS.md, "Ray's start, a third look")."""
     cpus = cfg.num_cpus or os.cpu_count() or 1
-    return {"num_workers_soft_limit": 2 * cpus + 2}
+    return {"num_workers_soft_limit": 2 * cpus + 2, "prestart_worker_first_driver": False}
 
 
 def init_ray(cfg: RayConfig) -> None:
