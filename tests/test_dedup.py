@@ -410,6 +410,17 @@ def test_sha256_when_pixel_hash_missing():
     assert [(d["key"], d["kind"]) for d in dropped] == [("2", Status.DUPLICATE_EXACT)]
 
 
+def test_exact_duplicates_beside_rows_without_an_exact_hash():
+    """Rows with no pixel hash and no sha256 (index rows of an older hash function) take
+    no part in the exact join, even ranked first (larger): the identical pair behind them
+    still loses its worse row as exact."""
+    rows = _rows(("000000001", None, A, 900), ("000000002", None, B, 800),
+                 ("000000003", "x", A ^ 0xFF00FF, 50), ("000000004", "x", A ^ 0xFF00FF, 50))
+    dropped = find_duplicates(rows, 0).duplicates.to_pylist()
+    assert [(d["key"], d["kind"], d["kept_key"]) for d in dropped] == [
+        ("000000004", Status.DUPLICATE_EXACT, "000000003")]
+
+
 def test_duplicate_keys_are_refused():
     with pytest.raises(ValueError, match="duplicate keys"):
         find_duplicates(_rows(("1", "x", A, 1), ("1", "y", B, 1)), T)

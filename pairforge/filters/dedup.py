@@ -721,9 +721,11 @@ def _best_of_groups(groups: np.ndarray, rank: np.ndarray) -> np.ndarray:
 def _exact_losers(exact_codes: np.ndarray, rank: np.ndarray) -> np.ndarray:
     """Rows pixel-identical to a better-ranked row: what exact dedup alone would drop."""
     losers = np.zeros(len(rank), dtype=bool)
-    has = exact_codes >= 0
-    rows = np.flatnonzero(has)
-    losers[rows] = _best_of_groups(exact_codes[has], rank[has]) != np.arange(len(rank))[has]
+    rows = np.flatnonzero(exact_codes >= 0)
+    # _best_of_groups answers in positions among the rows it gets, from ranks 0..n-1 of
+    # those rows (index rows without a pixel hash have no code)
+    ranks = np.argsort(np.argsort(rank[rows]))
+    losers[rows] = _best_of_groups(exact_codes[rows], ranks) != np.arange(len(rows))
     return losers
 
 
