@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from pairforge.filters.dedup import (
     local_mapper,
     near_pairs,
     next_index,
+    pixel_hash_matches,
     plan_bands,
     prepare_rows,
 )
@@ -565,6 +567,34 @@ def test_stage_on_ray_matches_the_algorithm_and_resumes(coco, tmp_path, ray_loca
     assert stats3["kept"] == 0 and len(dropped3) == len(coco)
     survivors = pc.is_null(dropped3["kept_source"])
     assert not pc.any(survivors).as_py()
+    assert stats3["index_rows_without_pixel_hash"] == 0
+
+    # an index from before its pixel hashes were named (sha256 ones, which no row of
+    # this build can equal): read without them, matched on perceptual hashes only
+    legacy = pq.read_table(tmp_path / "dedup" / "index.parquet").replace_schema_metadata()
+    pq.write_table(legacy, tmp_path / "legacy.parquet")
+    said4: list[str] = []
+    cfg4 = DedupConfig(index=[str(tmp_path / "legacy.parquet")])
+    stats4 = run_dedup(str(tmp_path / "raw3"), str(tmp_path / "dedup4"), cfg4, RAY,
+                       say=said4.append)
+    assert stats4["index_rows_without_pixel_hash"] == len(legacy)
+    assert said4[1] == (f"dedup: {len(legacy):,} index rows have no pixel hash of this "
+                        "version (an index written before it): they match on perceptual "
+                        "hashes only")
+    dropped4 = pq.read_table(tmp_path / "dedup4" / "duplicates.parquet").to_pylist()
+    assert stats4["kept"] == 0 and len(dropped4) == len(coco)
+    # exact now only between this build's own rows: no unique pixels are "exact" any more
+    twice = {h for h, n in Counter(s.pixel_hash for s in coco).items() if n > 1}
+    pixels = {s.key: s.pixel_hash for s in coco}
+
+    def exact_unique(dropped: list[dict]) -> int:
+        return sum(r["kind"] == Status.DUPLICATE_EXACT.value and pixels[r["key"]] not in twice
+                   for r in dropped)
+
+    assert exact_unique(dropped3.to_pylist()) > 0 and exact_unique(dropped4) == 0
+    index4 = pq.read_table(tmp_path / "dedup4" / "index.parquet")
+    assert pixel_hash_matches(index4.schema)
+    assert index4["pixel_hash"].null_count == len(legacy)
 
 
 def test_stage_refuses_missing_inputs(tmp_path, ray_local):

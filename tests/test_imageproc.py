@@ -14,7 +14,7 @@ from conftest import COCO_IMAGES
 from PIL import Image, JpegImagePlugin
 
 from pairforge.config import ImageConfig
-from pairforge.filters.hashing import hamming_u64, phash_u64
+from pairforge.filters.hashing import PIXEL_HASH, hamming_u64, phash_u64
 from pairforge.pipeline import jpegdecode
 from pairforge.pipeline.imageproc import ImageFailure, ProcessedImage, process_image
 from pairforge.pipeline.resample import downscale
@@ -383,6 +383,19 @@ def test_lossless_reencode_keeps_pixel_hash():
         assert jpeg.pixel_hash == png.pixel_hash
         assert jpeg.sha256 != png.sha256
         assert jpeg.phash == png.phash
+
+
+def test_pixel_hash_is_xxh3_128_of_the_shape_and_pixels():
+    """The function DESIGN's exact hash uses (filters/hashing.PIXEL_HASH), pinned: the
+    dedup index files name it, and another one silently matches nothing."""
+    import xxhash
+
+    body = coco_bodies(1)[0]
+    rgb = Image.open(io.BytesIO(body)).convert("RGB")
+    expected = xxhash.xxh3_128(f"{rgb.width}x{rgb.height}:".encode() + rgb.tobytes())
+    result = ok(process_image(body, ImageConfig(image_size=256)))  # no draft: ~300 px
+    assert result.pixel_hash == expected.hexdigest() and len(result.pixel_hash) == 32
+    assert PIXEL_HASH == "xxh3-128"
 
 
 def test_same_bytes_same_hashes():

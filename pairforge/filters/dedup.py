@@ -56,6 +56,7 @@ import pyarrow.compute as pc
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
+from pairforge.filters.hashing import PIXEL_HASH
 from pairforge.records import Status
 
 HASH_BITS = 64
@@ -99,6 +100,8 @@ ROWS_SCHEMA = pa.schema([
     pa.field("original_height", pa.int32()),
 ])
 
+# An index file names the function of its pixel hashes (``pixel_hash_matches``).
+PIXEL_HASH_KEY = b"pairforge.pixel_hash"
 INDEX_SCHEMA = pa.schema([
     pa.field("key", pa.string()),
     pa.field("source", pa.string()),
@@ -108,7 +111,7 @@ INDEX_SCHEMA = pa.schema([
     pa.field("crop_phashes", HASH_LIST),
     pa.field("original_width", pa.int32()),
     pa.field("original_height", pa.int32()),
-])
+], metadata={PIXEL_HASH_KEY: PIXEL_HASH.encode()})
 
 DUPLICATES_SCHEMA = pa.schema([
     pa.field("key", pa.string()),
@@ -808,6 +811,13 @@ def next_index(rows: pa.Table, duplicates: pa.Table, source: str,
     parts = [] if previous is None else [as_index(previous)]
     merged = pa.concat_tables([*parts, new]).combine_chunks()
     return _drop_repeated_rows(merged)
+
+
+def pixel_hash_matches(schema: pa.Schema) -> bool:
+    """Whether an index file's pixel hashes come from this version's function: files
+    written before it was named hold sha256 ones, which no row of this build can equal
+    (their rows still join on the perceptual hashes)."""
+    return (schema.metadata or {}).get(PIXEL_HASH_KEY) == PIXEL_HASH.encode()
 
 
 def as_index(table: pa.Table) -> pa.Table:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 from PIL import Image
 
 
@@ -15,20 +16,31 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+# The function behind ``pixel_hash``, recorded in the dedup index files that carry it: an
+# index written with another one (sha256 before download output version 4) cannot match.
+PIXEL_HASH = "xxh3-128"
+
+
 def pixel_hash_hex(image: Image.Image, pixels: bytes | memoryview | None = None) -> str:
     """Exact hash of decoded RGB pixels and their shape: equal for any lossless re-encode.
 
     ``pixels`` is ``image.tobytes()`` (or the same bytes in another buffer, e.g. the
     array simplejpeg decoded into) when the caller already has it: the download pass hands
     the same bytes to the resize, so the pixels are copied out of Pillow at most once.
+
+    XXH3-128, 32 hex digits: 0.007 ms for the 0.9 MB of a 640x480 decode, where sha256 (on
+    the CPU's SHA extensions) took 0.42 ms of stage 1's ~5.5 ms per image. A chance
+    collision of two images is as unlikely as with a cryptographic hash; a deliberate one
+    is not: someone could craft pixels that hash like a given image's, so that one of the
+    two is dropped as the other's duplicate. ``sha256``, of the downloaded bytes, stays
+    cryptographic.
     """
     if pixels is None:
         rgb = image if image.mode == "RGB" else image.convert("RGB")
         pixels = rgb.tobytes()
-    # sha256 runs on the CPU's SHA extensions here: 2.5x faster than blake2b on 200 KB.
-    digest = hashlib.sha256(f"{image.width}x{image.height}:".encode())
+    digest = xxhash.xxh3_128(f"{image.width}x{image.height}:".encode())
     digest.update(pixels)
-    return digest.hexdigest()[:32]
+    return digest.hexdigest()
 
 
 # phash looks at a 32x32 Lanczos thumbnail of a fixed 128x128 grey intermediate, made with

@@ -37,6 +37,7 @@ from pairforge.filters.dedup import (
     combo_pairs,
     find_duplicates,
     next_index,
+    pixel_hash_matches,
     prepare_rows,
 )
 from pairforge.pipeline.ray_runtime import init_ray
@@ -65,10 +66,16 @@ def read_hash_columns(url: str, storage_options: dict[str, Any]
 
 
 def read_index(url: str, storage_options: dict[str, Any]) -> pa.Table:
-    """One dedup index file of an earlier build (INDEX_SCHEMA)."""
+    """One dedup index file of an earlier build (INDEX_SCHEMA); pixel hashes made by
+    another function are left out (null), so they neither match nor pass into the index
+    this build writes."""
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
     with fs.open(path, "rb") as handle:
-        table = pq.read_table(handle, columns=_present(handle, INDEX_SCHEMA.names))
+        columns = _present(handle, INDEX_SCHEMA.names)
+        if not pixel_hash_matches(pq.read_schema(handle)):
+            columns = [c for c in columns if c != "pixel_hash"]
+        handle.seek(0)
+        table = pq.read_table(handle, columns=columns)
     return as_index(table)
 
 
@@ -221,6 +228,10 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
     init_ray(ray_cfg)
     rows, status, index = _read_all(files, indexes, opts, ray_cfg.max_task_retries)
     read_s = time.perf_counter() - started
+    unhashed = index["pixel_hash"].null_count if index is not None else 0
+    if unhashed:
+        say(f"dedup: {unhashed:,} index rows have no pixel hash of this version (an index "
+            "written before it): they match on perceptual hashes only")
     say(f"dedup: joining {rows.num_rows:,} rows' hashes (exact, then near within "
         f"{cfg.max_distance} bits, as banded Ray tasks; read in {read_s:.1f} s)…")
     result = find_duplicates(rows, cfg.max_distance, index,
@@ -242,6 +253,7 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
         "rows_in": sum(status.values()),
         "status_counts": dict(sorted(status.items())),
         **result.stats,
+        "index_rows_without_pixel_hash": unhashed,
         "index_written": cfg.write_index,
         "inputs_digest": digest,
         "seconds": {"read": round(read_s, 3), "decide": round(decide_s, 3),

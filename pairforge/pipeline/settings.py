@@ -38,9 +38,10 @@ PERFORMANCE_KEYS = {"threads", "image_threads", "processes", "per_host_connectio
 # makes a stage write other bytes under the same settings (tests/test_golden.py fails on
 # such a change), so that reruns redo the shards an older pairforge wrote.
 # download 2: libvips downscaling; 3: phash without box pre-reduction, mirror and crop hashes
+# download 4: the pixel hash is XXH3-128 (filters/hashing.PIXEL_HASH), not sha256
 # process 2: the wider attribute rule and constrained decoding (issue 20)
 # process 3: an attribute adjective left without its noun is the person (issue 20)
-OUTPUT_VERSIONS = {"download": 3, "process": 3}
+OUTPUT_VERSIONS = {"download": 4, "process": 3}
 # Config keys naming model files whose bytes decide stage-3 output.
 MODEL_KEYS = ("process.clip.pretrained", "process.clip.model_config_path",
               "process.recaption.model", "process.recaption.grounding.detector.model",
