@@ -13,7 +13,8 @@ libvips computes on its own worker thread, which a thread clock misses (this ben
 
 1. The Pillow floor: the calls an image pass cannot skip, one image at a time on one
    thread: open + JPEG draft + decode, Pillow bicubic resize to keep_ratio 256, JPEG q95
-   encode, sha256 of the body, sha256 of the decoded pixels, the 64-bit phash. The libvips
+   encode, sha256 of the body, the pixel hash of the decoded pixels (XXH3-128 since
+   2026-12-04 16:30; sha256 before), the 64-bit phash. The libvips
    resize the stage uses is timed beside Pillow's.
 2. ``process_image`` (the stage's image pass: checks, EXIF, the three hashes, resize, encode).
 3. ``Fetcher.fetch`` of the same photos from nginx (bench/webhost.py), 32 threads: the
@@ -127,8 +128,7 @@ def floor(bodies: list[bytes], repeats: int) -> None:
             lambda d: d[0].resize(d[1], Image.Resampling.BICUBIC), decoded, repeats),
         "encode JPEG q95": best_ms(encode, resized, repeats),
         "sha256 of the body": best_ms(lambda b: hashlib.sha256(b).digest(), bodies, repeats),
-        "sha256 of the pixels": best_ms(
-            lambda d: hashlib.sha256(d[0].tobytes()).digest(), decoded, repeats),
+        "pixel hash (XXH3-128)": best_ms(lambda d: pixel_hash_hex(d[0]), decoded, repeats),
         "phash": best_ms(lambda d: phash_u64(d[0]), decoded, repeats),
     }
     vips = best_ms(lambda d: downscale(d[0].tobytes(), d[0].size, d[1]), decoded, repeats)
