@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from caption_server import CaptionServer
 from conftest import COCO_IMAGES
+from openai_server import OpenAIServer
 from PIL import Image
 
 from pairforge.config import RecaptionConfig
@@ -100,7 +100,7 @@ def test_openai_backend_sends_logit_bias_from_the_served_tokenizer(tiny_blip: Pa
     words = blocked_words(load_lexicon())
     expected = WordBlocker(served.processor.tokenizer, words).logit_bias()
     assert expected and set(expected.values()) == {-100}
-    with CaptionServer(served, "tiny-blip") as server:
+    with OpenAIServer(["tiny-blip"], served) as server:
         openai = {"base_url": server.base_url, "logit_bias_tokenizer": str(tiny_blip)}
         cfg = RecaptionConfig(backend="openai", model="tiny-blip", openai=openai)
         load_captioner(cfg, "cpu", words).generate(_photos(2), "x")

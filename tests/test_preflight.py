@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from models_server import ModelsServer, closed_port, closed_port_url
+from openai_server import OpenAIServer, closed_port, closed_port_url
 
 import pairforge
 from pairforge.config import ConfigError, PairforgeConfig, parse_config
@@ -338,13 +338,13 @@ def test_the_captioning_server_must_answer_and_serve_the_model(monkeypatch):
     assert refused == (f"process.recaption.openai.base_url: {url}: GET /models failed "
                        "([Errno 111] Connection refused); start the server or correct the URL")
     monkeypatch.setenv("OPENAI_API_KEY", "k-123")
-    with ModelsServer(["other-vlm", "tiny-vlm-2"]) as server:
+    with OpenAIServer(["other-vlm", "tiny-vlm-2"]) as server:
         assert server_problems(_openai(server.base_url)) == [
             f"process.recaption.model: 'tiny-vlm' is not served by {server.base_url} "
             "(it serves 'other-vlm', 'tiny-vlm-2')"]
         assert server_problems(_openai(server.base_url + "/", "tiny-vlm-2")) == []
-    assert server.requests == [("/v1/models", "Bearer k-123")] * 2
-    with ModelsServer([], status=401) as server:
+    assert server.requests == [("GET /v1/models", "Bearer k-123")] * 2
+    with OpenAIServer([], status=401) as server:
         assert server_problems(_openai(server.base_url)) == [
             f"process.recaption.openai.base_url: {server.base_url}: GET /models answered "
             "HTTP 401 (check the key in $OPENAI_API_KEY)"]
@@ -411,7 +411,7 @@ def test_a_ray_address_where_nothing_listens_is_named(monkeypatch):
     for unset in ("auto", "local", ""):
         monkeypatch.setenv("RAY_ADDRESS", unset)
         assert ray_problems(_cfg({})) == []
-    with ModelsServer([]) as server:  # anything that accepts the connection
+    with OpenAIServer([]) as server:  # anything that accepts the connection
         listening = server.base_url.removeprefix("http://").removesuffix("/v1")
         cfg = parse_config({"input": {"path": "x"}, "ray": {"address": listening}})
         assert ray_problems(cfg) == []

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import webdataset as wds
-from caption_server import CaptionServer
 from conftest import COCO_CAPTIONS, COCO_IMAGES, download_raw
+from openai_server import OpenAIServer
 from PIL import Image
 from test_process_stage import (  # noqa: F401 - tiny_clip, tiny_vq: session fixtures
     _fresh_out,
@@ -166,13 +166,13 @@ def test_openai_backend_returns_the_served_models_generations(tiny_captioners) -
     served = TransformersCaptioner(RecaptionConfig(model=str(tiny_captioners["git"]),
                                                    max_new_tokens=8))
     images = _photos(6)
-    with CaptionServer(served, "tiny-git", fail_first=2) as server:
+    with OpenAIServer(["tiny-git"], served, fail_first=2) as server:
         client = OpenAICaptioner(RecaptionConfig(
             backend="openai", model="tiny-git", max_new_tokens=8,
             openai={"base_url": server.base_url, "concurrency": 3, "retries": 3,
                     "timeout_s": 30}))
         answers = client.generate(images, "Describe the image.")
-        assert server.requests == len(images) + 2  # two 503s retried
+        assert server.completions == len(images) + 2  # two 503s retried
         assert 1 <= server.max_in_flight <= 3
     # what the server's model says about the very pixels it received (JPEG in a data URL)
     received = [Image.open(io.BytesIO(base64.b64decode(data_url(im).split(",")[1])))
@@ -184,7 +184,7 @@ def test_openai_backend_reports_a_wrong_model_name(tiny_captioners) -> None:
     import requests
 
     served = TransformersCaptioner(RecaptionConfig(model=str(tiny_captioners["git"])))
-    with CaptionServer(served, "tiny-git") as server:
+    with OpenAIServer(["tiny-git"], served) as server:
         client = OpenAICaptioner(RecaptionConfig(
             backend="openai", model="other", openai={"base_url": server.base_url}))
         with pytest.raises(requests.HTTPError, match="404"):
@@ -315,7 +315,7 @@ def test_unsupported_nouns_regenerate_then_abstain_to_img(
     from pairforge.recaption.prompts import DEFAULT_PROMPT, STRICT_PROMPT
 
     served = TransformersCaptioner(RecaptionConfig(model=str(taught_blip), max_new_tokens=24))
-    with CaptionServer(served, "taught-blip") as server:
+    with OpenAIServer(["taught-blip"], served) as server:
         # no noun can reach a cosine similarity of 1.5: every caption naming an object fails
         cfg = _config(_fresh_out(tmp_path, recaption_raw), taught_blip, tiny_clip, tiny_vq,
                       cache={"enabled": False}, grounding={"min_score": 1.5})

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from models_server import ModelsServer, closed_port, closed_port_url
+from openai_server import OpenAIServer, closed_port, closed_port_url
 from typer.testing import CliRunner
 
 from pairforge.cli import app
@@ -33,7 +33,7 @@ def empty_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def no_model_server():
-    with ModelsServer(["some-other-vlm"]) as server:
+    with OpenAIServer(["some-other-vlm"]) as server:
         yield server
 
 
@@ -248,7 +248,7 @@ def test_the_configured_model_missing_from_the_server_is_named(tmp_path, no_mode
     assert_user_error(result.output, result.exit_code, [
         f"process.recaption.model: 'tiny-vlm' is not served by {no_model_server.base_url} "
         "(it serves 'some-other-vlm')"])
-    assert no_model_server.requests[-1][0] == "/v1/models"
+    assert no_model_server.requests[-1][0] == "GET /v1/models"
 
 
 def test_every_problem_is_named_in_one_message(tmp_path, no_model_server):
