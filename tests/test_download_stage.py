@@ -253,6 +253,45 @@ def _photos_shard_config(tmp_path: Path, good: LoopbackServer, rows: int,
                      "image": {"image_size": 64}, **download}})
 
 
+def test_the_last_shard_split_over_the_slots_is_merged_into_the_same_shard(
+        tmp_path, servers, ray_local):
+    """3 shards on 2 slots: the third runs as two parts side by side (inputs.tail_parts)
+    and is merged (raw.merge_parts) into the tar members, parquet rows and counts one task
+    writes; no part file stays, and a stopped run's parts are removed before a rerun."""
+    def run(out: str, **download: object) -> Path:
+        cfg = _photos_shard_config(tmp_path, servers[0], 18, **download)
+        cfg = cfg.model_copy(update={
+            "input": cfg.input.model_copy(update={"shard_size": 6}),
+            "output": cfg.output.model_copy(update={"path": str(tmp_path / out)})})
+        run_download(cfg, show_progress=False)
+        return tmp_path / out / "raw"
+
+    whole, split = run("whole", processes=1), run("split", processes=2)
+    for raw in (whole, split):
+        assert sorted(p.name for p in raw.iterdir() if p.name.startswith("00002")) == [
+            "00002.parquet", "00002.tar", "00002_stats.json"]
+    assert _members(whole / "00002.tar") == _members(split / "00002.tar")
+    assert len(_members(split / "00002.tar")) == 18  # 6 samples x jpg, json, txt
+    assert pq.read_table(whole / "00002.parquet").equals(pq.read_table(split / "00002.parquet"))
+    merged = json.loads((split / "00002_stats.json").read_text())
+    alone = json.loads((whole / "00002_stats.json").read_text())
+    assert merged["parts"] == 2 and "parts" not in alone
+    assert {k: merged[k] for k in ("count", "successes", "status", "shard")} == \
+        {k: alone[k] for k in ("count", "successes", "status", "shard")}
+    assert "parts" not in json.loads((split / "00001_stats.json").read_text())
+
+    (split / "00002_stats.json").unlink()  # as if stopped between parts and merge
+    (split / "00002.part1of2.tar").write_bytes(b"half")
+    run("split", processes=2)
+    assert not list(split.glob("*.part*"))
+    assert _members(split / "00002.tar") == _members(whole / "00002.tar")
+
+
+def _members(path: Path) -> dict[str, bytes]:
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+
+
 @pytest.mark.parametrize("image_threads", [1, 3])
 def test_image_pass_runs_at_most_image_threads_at_once(tmp_path, servers, monkeypatch,
                                                       image_threads):

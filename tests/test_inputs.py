@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairforge.config import ConfigError, InputConfig
-from pairforge.pipeline.inputs import read_input_table, split_shards
+from pairforge.pipeline.inputs import read_input_table, split_shards, tail_parts
 from pairforge.records import index_digits, make_key
 
 ROWS = [{"url": f"http://h/{i}.jpg", "caption": f"cap {i}", "lic": f"l{i}"} for i in range(5)]
@@ -126,3 +126,20 @@ def test_split_shards_and_keys():
     assert make_key(2, 4, index_digits(10)) == "000020004"
     assert make_key(3, 12345, index_digits(100_000)) == "0000312345"
     assert "." not in make_key(1, 1)
+
+
+def test_the_last_round_is_split_over_the_slots():
+    """A last round with fewer shards than slots is split so every slot gets a part of
+    consecutive rows; full rounds, and rounds too full to split, stay whole."""
+    table = pa.table({"url": [str(i) for i in range(45)]})
+    shards = list(split_shards(table, 10))  # 10, 10, 10, 10, 5 rows
+    tasks = tail_parts(shards, 2)
+    assert [(t.shard_id, t.part, t.parts, t.first_row, t.rows.num_rows) for t in tasks] == [
+        (0, 0, 1, 0, 10), (1, 0, 1, 0, 10), (2, 0, 1, 0, 10), (3, 0, 1, 0, 10),
+        (4, 0, 2, 0, 2), (4, 1, 2, 2, 3)]
+    assert tasks[-1].rows["url"].to_pylist() == ["42", "43", "44"]
+    assert [(t.shard_id, t.parts) for t in tail_parts(shards[:1], 8)] == [(0, 8)] * 8
+    assert tail_parts(shards[:4], 2) == shards[:4]  # two full rounds
+    assert tail_parts(shards[:3], 4) == shards[:3]  # 3 of 4 slots: 4 // 3 parts is 1
+    one_row = list(split_shards(pa.table({"url": ["x"]}), 10))
+    assert tail_parts(one_row, 2) == one_row  # never an empty part

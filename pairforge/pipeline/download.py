@@ -137,20 +137,23 @@ def _sample_meta(record: dict[str, Any]) -> dict[str, Any]:
 
 def download_shard(shard: InputShard, cfg: PairforgeConfig,
                    progress: ProgressFn | None = None) -> dict[str, Any]:
-    """Download one shard and write its tar, parquet and (last) stats file."""
+    """Download one shard and write its tar, parquet and (last) stats file; a part of a
+    shard (``shard.parts`` > 1) writes its tar and parquet, and its stats are returned for
+    ``shards.raw.merge_parts``."""
     started = time.time()
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(RAW_FOLDER)
     extras = cfg.input.save_additional_columns
     rows = shard.rows.to_pylist()
     digits = index_digits(cfg.input.shard_size)
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows, start=shard.first_row):
         row["key"] = make_key(shard.shard_id, i, digits)
     fetcher = Fetcher(cfg.download)
     worker = ShardDownloader(cfg, fetcher, _read_tar_members(
         [r["source"] for r in rows if (r["source"] or "").startswith("tar:")],
         cfg.input.storage_options))
-    writer = RawShardWriter(out, RAW_FOLDER, shard.shard_id, extras)
+    writer = RawShardWriter(out, RAW_FOLDER, shard.shard_id, extras,
+                            (shard.part, shard.parts) if shard.parts > 1 else None)
     pending: Counter = Counter()
     last_report = time.monotonic()
     try:

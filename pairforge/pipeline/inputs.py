@@ -31,6 +31,20 @@ BUNDLED_SAMPLE = "bundled-sample"
 class InputShard:
     shard_id: int
     rows: pa.Table  # url, caption (binary), source, extras; row i gets key make_key(id, i)
+    # A part of a shard whose rows are split over several tasks (the run's tail): its rows
+    # start at first_row of the shard, and the parts are merged into the one shard.
+    first_row: int = 0
+    part: int = 0
+    parts: int = 1
+
+    def split(self, parts: int) -> list[InputShard]:
+        """The shard as ``parts`` tasks of consecutive rows (never an empty one)."""
+        parts = max(1, min(parts, self.rows.num_rows))
+        if parts == 1:
+            return [self]
+        bounds = [round(i * self.rows.num_rows / parts) for i in range(parts + 1)]
+        return [InputShard(self.shard_id, self.rows.slice(lo, hi - lo), lo, i, parts)
+                for i, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))]
 
 
 def _expand_paths(cfg: InputConfig) -> list[tuple[fsspec.AbstractFileSystem, str]]:
@@ -140,3 +154,14 @@ def read_input_table(cfg: InputConfig) -> pa.Table:
 def split_shards(table: pa.Table, shard_size: int) -> Iterator[InputShard]:
     for shard_id, start in enumerate(range(0, table.num_rows, shard_size)):
         yield InputShard(shard_id, table.slice(start, shard_size))
+
+
+def tail_parts(shards: list[InputShard], slots: int) -> list[InputShard]:
+    """The shards as tasks for ``slots`` task slots: when the last round has fewer shards
+    than slots, each of its shards is split so that every slot gets a part (5 shards on 2
+    slots: 4 whole, then the fifth in halves side by side, not alone on one slot)."""
+    last = len(shards) % slots
+    if not last or slots // last < 2:
+        return shards
+    return shards[:-last] + [part for shard in shards[-last:]
+                             for part in shard.split(slots // last)]

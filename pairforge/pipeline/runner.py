@@ -16,12 +16,13 @@ from pairforge.pipeline.inputs import (
     normalise_table,
     read_input_table,
     split_shards,
+    tail_parts,
 )
 from pairforge.pipeline.progress import LOG, ProgressCounter, StageDisplay, say
 from pairforge.pipeline.ray_runtime import driver_local_actor, init_ray
 from pairforge.pipeline.runlog import log_shard, run_log
 from pairforge.pipeline.sample_server import bundled_sample_table, serve_directory
-from pairforge.shards.raw import completed_shards, stats_name
+from pairforge.shards.raw import completed_shards, merge_parts, remove_parts, stats_name
 from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir
 
 
@@ -61,6 +62,7 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(RAW_FOLDER)
     out.remove_temporaries(RAW_FOLDER)
+    remove_parts(out, RAW_FOLDER)
     with input_shards(cfg) as shards:
         done = completed_shards(out, RAW_FOLDER)
         todo = [s for s in shards if s.shard_id not in done]
@@ -74,17 +76,26 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
         skipped = len(shards) - len(todo)
         rows_todo = sum(s.rows.num_rows for s in todo)
         display = StageDisplay("download", len(shards), rows_todo, skipped, live=show_progress)
+        merged: list[int] = []  # shards complete, parts merged
+        parts: dict[int, list[dict[str, Any]]] = {}
 
-        def tick(finished: int) -> None:
-            display.update(ray.get(counter.total.remote()), skipped + finished)
+        def tick(_: int) -> None:
+            display.update(ray.get(counter.total.remote()), skipped + len(merged))
 
-        def done_shard(stats: dict[str, Any]) -> None:
+        def done_task(stats: dict[str, Any]) -> None:
+            if "part" in stats:
+                written = parts.setdefault(stats["shard"], [])
+                written.append(stats)
+                if len(written) < stats["part"][1]:
+                    return
+                stats = merge_parts(out, RAW_FOLDER, written)
             log_shard(out, RAW_FOLDER, stats)
+            merged.append(stats["shard"])
 
         started = time.time()
         with display:
-            _run_bounded(todo, lambda s: task.remote(s, cfg, counter), limit, tick, done_shard,
-                         on_slots=counter.share.remote)
+            _run_bounded(tail_parts(todo, limit), lambda s: task.remote(s, cfg, counter),
+                         limit, tick, done_task, on_slots=counter.share.remote)
         ray.kill(counter)
         seconds = time.time() - started
     # A task attempt killed with its node leaves its temporary file; its retry wrote the

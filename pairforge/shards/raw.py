@@ -2,10 +2,16 @@
 
 The tar holds the ``ok`` samples (KEY.jpg, KEY.txt, KEY.json); the parquet holds every
 row, failures included; the stats file is written last and marks the shard complete.
+
+A shard split over several tasks (the run's tail, ``pipeline.inputs.tail_parts``) is
+written as parts, NNNNN.partIofK.tar and .parquet without a stats file, and
+``merge_parts`` joins them into the one shard in row order once all are written.
 """
 
 from __future__ import annotations
 
+import io
+import tarfile
 from collections import Counter
 from typing import Any
 
@@ -14,7 +20,7 @@ import pyarrow.parquet as pq
 
 from pairforge.records import Status, raw_schema
 from pairforge.shards.storage import OutputDir
-from pairforge.shards.tar import SampleTarWriter
+from pairforge.shards.tar import BLOCK, SampleTarWriter
 
 
 def shard_name(shard_id: int) -> str:
@@ -25,19 +31,36 @@ def stats_name(shard_id: int) -> str:
     return f"{shard_name(shard_id)}_stats.json"
 
 
+def part_name(shard_id: int, part: int, parts: int) -> str:
+    return f"{shard_name(shard_id)}.part{part}of{parts}"
+
+
 def completed_shards(out: OutputDir, folder: str) -> set[int]:
     """Shards whose stats file exists: the only test of completeness a rerun trusts."""
     return {int(name.split("_")[0]) for name in out.glob(f"{folder}/*_stats.json")}
 
 
-class RawShardWriter:
-    """Streams ok samples into the tar as they arrive; parquet and stats on close."""
+def remove_parts(out: OutputDir, folder: str) -> int:
+    """Delete the parts a stopped run left unmerged (their shard has no stats file, so it
+    is redone whole or in new parts); returns how many files."""
+    stale = out.glob(f"{folder}/*.part*of*.*")
+    for name in stale:
+        out.remove(folder, name)
+    return len(stale)
 
-    def __init__(self, out: OutputDir, folder: str, shard_id: int, extra_columns: list[str]):
+
+class RawShardWriter:
+    """Streams ok samples into the tar as they arrive; parquet and stats on close. A part
+    (``part``: index and count) writes no stats: ``merge_parts`` does, for the shard."""
+
+    def __init__(self, out: OutputDir, folder: str, shard_id: int, extra_columns: list[str],
+                 part: tuple[int, int] | None = None):
         self.out, self.folder, self.shard_id = out, folder, shard_id
         self.extra_columns = extra_columns
+        self.name = part_name(shard_id, *part) if part else shard_name(shard_id)
+        self.part = part
         self.rows: list[dict[str, Any]] = []
-        self._tar_cm = out.open_atomic(folder, f"{shard_name(shard_id)}.tar")
+        self._tar_cm = out.open_atomic(folder, f"{self.name}.tar")
         self._tar = SampleTarWriter(self._tar_cm.__enter__())
 
     def add(self, row: dict[str, Any], image: bytes | None, extension: str | None,
@@ -51,14 +74,67 @@ class RawShardWriter:
         self._tar.close()
         self._tar_cm.__exit__(None, None, None)
         table = pa.Table.from_pylist(self.rows, schema=raw_schema(self.extra_columns))
-        with self.out.open_atomic(self.folder, f"{shard_name(self.shard_id)}.parquet") as f:
+        with self.out.open_atomic(self.folder, f"{self.name}.parquet") as f:
             pq.write_table(table, f)
         counts = Counter(r["status"] for r in self.rows)
         stats = {**stats, "shard": self.shard_id, "count": len(self.rows),
                  "successes": counts.get(Status.OK, 0), "status": dict(sorted(counts.items()))}
+        if self.part:
+            return {**stats, "part": list(self.part)}
         self.out.write_json(stats, self.folder, stats_name(self.shard_id))
         return stats
 
     def abort(self, exc: BaseException) -> None:
         """Drop the half-written tar: its temporary file is removed, nothing is renamed."""
         self._tar_cm.__exit__(type(exc), exc, exc.__traceback__)
+
+
+def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Join a shard's written parts (their ``close`` stats, any order) into the shard: the
+    tar's members and the parquet's rows in part order, the stats summed, written last;
+    then the part files go. Returns the shard's stats."""
+    parts = sorted(parts, key=lambda p: p["part"][0])
+    shard_id, count = parts[0]["shard"], parts[0]["part"][1]
+    names = [part_name(shard_id, i, count) for i in range(count)]
+    with out.open_atomic(folder, f"{shard_name(shard_id)}.tar") as f:
+        end = 0
+        for name in names:
+            members = _members(out.read_bytes(folder, f"{name}.tar"))
+            f.write(members)
+            end += len(members)
+        f.write(_archive_end(end))
+    table = pa.concat_tables(pq.read_table(io.BytesIO(out.read_bytes(folder, f"{n}.parquet")))
+                             for n in names)
+    with out.open_atomic(folder, f"{shard_name(shard_id)}.parquet") as f:
+        pq.write_table(table, f)
+    status: Counter = Counter()
+    for part in parts:
+        status.update(part["status"])
+    start, end_time = min(p["start_time"] for p in parts), max(p["end_time"] for p in parts)
+    stats = {**{k: v for k, v in parts[0].items() if k != "part"},
+             "start_time": start, "end_time": end_time,
+             "duration_s": round(end_time - start, 3), "parts": count,
+             "count": sum(p["count"] for p in parts),
+             "successes": sum(p["successes"] for p in parts),
+             "status": dict(sorted(status.items()))}
+    out.write_json(stats, folder, stats_name(shard_id))
+    for name in names:
+        out.remove(folder, f"{name}.tar")
+        out.remove(folder, f"{name}.parquet")
+    return stats
+
+
+def _members(tar: bytes) -> bytes:
+    """A tar's bytes up to its end-of-archive blocks."""
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        members = archive.getmembers()
+    if not members:
+        return b""
+    last = members[-1]
+    return tar[:last.offset_data + -(-last.size // BLOCK) * BLOCK]
+
+
+def _archive_end(written: int) -> bytes:
+    """Two zero blocks, padded to a whole record as ``tarfile`` (and SampleTarWriter) do."""
+    end = 2 * BLOCK
+    return bytes(end + -(written + end) % tarfile.RECORDSIZE)

@@ -88,8 +88,11 @@ class OutputDir:
             f.write(json.dumps(data, indent=2, sort_keys=True, default=str).encode())
 
     def read_json(self, *parts: str) -> Any:
+        return json.loads(self.read_bytes(*parts))
+
+    def read_bytes(self, *parts: str) -> bytes:
         with self.fs.open(self.path(*parts), "rb") as f:
-            return json.loads(f.read())
+            return f.read()
 
 
 @contextmanager
