@@ -97,12 +97,8 @@ def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]]) -> dic
     shard_id, count = parts[0]["shard"], parts[0]["part"][1]
     names = [part_name(shard_id, i, count) for i in range(count)]
     with out.open_atomic(folder, f"{shard_name(shard_id)}.tar") as f:
-        end = 0
-        for name in names:
-            members = _members(out.read_bytes(folder, f"{name}.tar"))
-            f.write(members)
-            end += len(members)
-        f.write(_archive_end(end))
+        written = sum(_copy_members(out, out.path(folder, f"{name}.tar"), f) for name in names)
+        f.write(_archive_end(written))
     table = pa.concat_tables(pq.read_table(io.BytesIO(out.read_bytes(folder, f"{n}.parquet")))
                              for n in names)
     with out.open_atomic(folder, f"{shard_name(shard_id)}.parquet") as f:
@@ -124,14 +120,20 @@ def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]]) -> dic
     return stats
 
 
-def _members(tar: bytes) -> bytes:
-    """A tar's bytes up to its end-of-archive blocks."""
-    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
-        members = archive.getmembers()
-    if not members:
-        return b""
-    last = members[-1]
-    return tar[:last.offset_data + -(-last.size // BLOCK) * BLOCK]
+def _copy_members(out: OutputDir, path: str, sink: Any, chunk: int = 1 << 22) -> int:
+    """Copy a tar's bytes up to its end-of-archive blocks into ``sink``, a chunk at a time
+    (a part can be large); returns how many."""
+    with out.fs.open(path, "rb") as f:
+        with tarfile.open(fileobj=f) as archive:  # reads the headers, seeks over the data
+            members = archive.getmembers()
+        end = members[-1].offset_data + -(-members[-1].size // BLOCK) * BLOCK if members else 0
+        f.seek(0)
+        left = end
+        while left:
+            data = f.read(min(chunk, left))
+            sink.write(data)
+            left -= len(data)
+    return end
 
 
 def _archive_end(written: int) -> bytes:
