@@ -59,7 +59,7 @@ def read_hash_columns(url: str, storage_options: dict[str, Any]
     """The ok rows of one raw shard parquet (ROWS_SCHEMA) and its rows per status."""
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
     with fs.open(path, "rb") as handle:
-        table = pq.read_table(handle, columns=_present(handle, HASH_COLUMNS))
+        table = pq.read_table(handle, columns=_present(_schema(handle), HASH_COLUMNS))
     counts = {row["values"]: row["counts"] for row in
               pc.value_counts(table["status"]).to_pylist()}
     return prepare_rows(table), counts
@@ -71,20 +71,25 @@ def read_index(url: str, storage_options: dict[str, Any]) -> pa.Table:
     this build writes."""
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
     with fs.open(path, "rb") as handle:
-        columns = _present(handle, INDEX_SCHEMA.names)
-        if not pixel_hash_matches(pq.read_schema(handle)):
+        schema = _schema(handle)
+        columns = _present(schema, INDEX_SCHEMA.names)
+        if not pixel_hash_matches(schema):
             columns = [c for c in columns if c != "pixel_hash"]
-        handle.seek(0)
         table = pq.read_table(handle, columns=columns)
     return as_index(table)
 
 
-def _present(handle: Any, wanted: list[str]) -> list[str]:
+def _schema(handle: Any) -> pa.Schema:
+    """A parquet file's schema, the handle left at the start for reading the table."""
+    schema = pq.read_schema(handle)
+    handle.seek(0)
+    return schema
+
+
+def _present(schema: pa.Schema, wanted: list[str]) -> list[str]:
     """The wanted columns a parquet file has: files of older versions lack the mirror and
     region hashes (their rows then join on the whole-image hash only)."""
-    names = set(pq.read_schema(handle).names)
-    handle.seek(0)
-    return [c for c in wanted if c in names]
+    return [c for c in wanted if c in schema.names]
 
 
 def _expand(fs: fsspec.AbstractFileSystem, pattern: str) -> list[str]:

@@ -11,6 +11,7 @@ work starts.
 
 from __future__ import annotations
 
+import itertools
 import json
 import posixpath
 from collections.abc import Iterator
@@ -44,7 +45,7 @@ class InputShard:
             return [self]
         bounds = [round(i * self.rows.num_rows / parts) for i in range(parts + 1)]
         return [InputShard(self.shard_id, self.rows.slice(lo, hi - lo), lo, i, parts)
-                for i, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))]
+                for i, (lo, hi) in enumerate(itertools.pairwise(bounds))]
 
 
 def _expand_paths(cfg: InputConfig) -> list[tuple[fsspec.AbstractFileSystem, str]]:

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from pairforge.records import Status, raw_schema
 from pairforge.shards.storage import OutputDir
-from pairforge.shards.tar import BLOCK, SampleTarWriter
+from pairforge.shards.tar import BLOCK, SampleTarWriter, archive_end
 
 
 def shard_name(shard_id: int) -> str:
@@ -76,9 +76,7 @@ class RawShardWriter:
         table = pa.Table.from_pylist(self.rows, schema=raw_schema(self.extra_columns))
         with self.out.open_atomic(self.folder, f"{self.name}.parquet") as f:
             pq.write_table(table, f)
-        counts = Counter(r["status"] for r in self.rows)
-        stats = {**stats, "shard": self.shard_id, "count": len(self.rows),
-                 "successes": counts.get(Status.OK, 0), "status": dict(sorted(counts.items()))}
+        stats = {**stats, "shard": self.shard_id, **_row_counts(r["status"] for r in self.rows)}
         if self.part:
             return {**stats, "part": list(self.part)}
         self.out.write_json(stats, self.folder, stats_name(self.shard_id))
@@ -91,28 +89,22 @@ class RawShardWriter:
 
 def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Join a shard's written parts (their ``close`` stats, any order) into the shard: the
-    tar's members and the parquet's rows in part order, the stats summed, written last;
-    then the part files go. Returns the shard's stats."""
+    tar's members and the parquet's rows in part order, then the stats, counted from the
+    merged rows, written last; then the part files go. Returns the shard's stats."""
     parts = sorted(parts, key=lambda p: p["part"][0])
     shard_id, count = parts[0]["shard"], parts[0]["part"][1]
     names = [part_name(shard_id, i, count) for i in range(count)]
     with out.open_atomic(folder, f"{shard_name(shard_id)}.tar") as f:
         written = sum(_copy_members(out, out.path(folder, f"{name}.tar"), f) for name in names)
-        f.write(_archive_end(written))
+        f.write(archive_end(written))
     table = pa.concat_tables(pq.read_table(io.BytesIO(out.read_bytes(folder, f"{n}.parquet")))
                              for n in names)
     with out.open_atomic(folder, f"{shard_name(shard_id)}.parquet") as f:
         pq.write_table(table, f)
-    status: Counter = Counter()
-    for part in parts:
-        status.update(part["status"])
-    start, end_time = min(p["start_time"] for p in parts), max(p["end_time"] for p in parts)
+    start, end = min(p["start_time"] for p in parts), max(p["end_time"] for p in parts)
     stats = {**{k: v for k, v in parts[0].items() if k != "part"},
-             "start_time": start, "end_time": end_time,
-             "duration_s": round(end_time - start, 3), "parts": count,
-             "count": sum(p["count"] for p in parts),
-             "successes": sum(p["successes"] for p in parts),
-             "status": dict(sorted(status.items()))}
+             "start_time": start, "end_time": end, "duration_s": round(end - start, 3),
+             "parts": count, **_row_counts(table["status"].to_pylist())}
     out.write_json(stats, folder, stats_name(shard_id))
     for name in names:
         out.remove(folder, f"{name}.tar")
@@ -136,7 +128,8 @@ def _copy_members(out: OutputDir, path: str, sink: Any, chunk: int = 1 << 22) ->
     return end
 
 
-def _archive_end(written: int) -> bytes:
-    """Two zero blocks, padded to a whole record as ``tarfile`` (and SampleTarWriter) do."""
-    end = 2 * BLOCK
-    return bytes(end + -(written + end) % tarfile.RECORDSIZE)
+def _row_counts(statuses: Any) -> dict[str, Any]:
+    """A shard's row counts in its stats: rows, ok rows, rows per status."""
+    counts = Counter(statuses)
+    return {"count": sum(counts.values()), "successes": counts.get(Status.OK, 0),
+            "status": dict(sorted(counts.items()))}

@@ -79,6 +79,13 @@ class _HeaderTemplate:
         return bytes(header)
 
 
+def archive_end(written: int) -> bytes:
+    """What ends an archive of ``written`` bytes of members: two zero blocks, padded to a
+    whole record as ``tarfile`` does."""
+    end = 2 * BLOCK
+    return bytes(end + -(written + end) % tarfile.RECORDSIZE)
+
+
 class SampleTarWriter:
     """Writes samples to a binary stream; ``close`` ends the archive (the stream stays open)."""
 
@@ -103,12 +110,10 @@ class SampleTarWriter:
         return total
 
     def close(self) -> None:
-        """Two zero blocks end the archive, padded to a whole record as ``tarfile`` does."""
+        """End the archive (``archive_end``)."""
         if self._closed:
             return
-        end = 2 * BLOCK
-        end += -(self._offset + end) % tarfile.RECORDSIZE
-        self._stream.write(bytes(end))
+        self._stream.write(archive_end(self._offset))
         self._closed = True
 
     def __enter__(self) -> SampleTarWriter:
