@@ -357,7 +357,7 @@ def main() -> None:
 
 
 def run_all(work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from pairforge.pipeline.sample_server import serve_directory
+    from pairforge.download.folder_server import serve_directory
 
     train, held = write_site(work, args.train, args.heldout)
     text = train_text_tokenizer(work, train)

@@ -16,10 +16,10 @@ import pyarrow as pa
 from PIL import Image, ImageEnhance, ImageOps
 
 from pairforge.config import DedupConfig, ImageConfig
+from pairforge.download.imageproc import ProcessedImage, process_image
 from pairforge.filters.dedup import ROWS_SCHEMA, find_duplicates, local_mapper
 from pairforge.filters.hashing import perceptual_hashes, phash_u64
 from pairforge.filters.semantic import default_clusters, semantic_duplicates
-from pairforge.pipeline.imageproc import ProcessedImage, process_image
 from pairforge.records import make_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +150,7 @@ def cost_part() -> None:
 
 def _decoded_as_stage1(body: bytes, cfg: ImageConfig) -> Image.Image:
     """The image stage 1 hashes: drafted by libjpeg as process_image drafts it."""
-    from pairforge.pipeline.imageproc import _draft, _plan_resize
+    from pairforge.download.imageproc import _draft, _plan_resize
 
     image = Image.open(io.BytesIO(body))
     plan = _plan_resize(image.width, image.height, cfg)

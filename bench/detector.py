@@ -43,7 +43,7 @@ from typing import Any
 from PIL import Image
 
 from pairforge.config import GroundingConfig
-from pairforge.recaption.grounding import load_grounding
+from pairforge.recaption.checked import load_grounding
 from pairforge.recaption.tiny import save_tiny_detector
 
 COCO = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "coco-sample" / "images"

@@ -1,4 +1,4 @@
-"""ms/image of pipeline.imageproc.process_image, with and without JPEG draft decoding.
+"""ms/image of download.imageproc.process_image, with and without JPEG draft decoding.
 
     python bench/imageproc.py                     # COCO sample as is, 256 keep_ratio jpg
     python bench/imageproc.py --source-scale 6    # the same photos as ~1800 px JPEGs
@@ -21,7 +21,7 @@ from pathlib import Path
 from PIL import Image
 
 from pairforge.config import ImageConfig
-from pairforge.pipeline.imageproc import ImageFailure, process_image
+from pairforge.download.imageproc import ImageFailure, process_image
 
 COCO = Path("/work/shared/data/coco-sample/images")
 

@@ -73,16 +73,18 @@ from photoset import describe, photo_set  # noqa: E402
 from webhost import start_hosts  # noqa: E402
 
 from pairforge.config import DownloadConfig, ImageConfig, load_config  # noqa: E402
+from pairforge.download import imageproc, jpegdecode  # noqa: E402
+from pairforge.download import shard as download  # noqa: E402
+from pairforge.download.fetch import Fetcher  # noqa: E402
+from pairforge.download.imageproc import process_image  # noqa: E402
+from pairforge.download.resample import downscale  # noqa: E402
 from pairforge.filters.hashing import (  # noqa: E402
     perceptual_hashes,
     phash_u64,
     pixel_hash_hex,
 )
-from pairforge.pipeline import download, imageproc, jpegdecode  # noqa: E402
-from pairforge.pipeline.fetch import Fetcher  # noqa: E402
-from pairforge.pipeline.imageproc import process_image  # noqa: E402
-from pairforge.pipeline.resample import downscale  # noqa: E402
 from pairforge.pipeline.runner import input_shards  # noqa: E402
+from pairforge.pipeline.settings import settings_record, stage_settings  # noqa: E402
 from pairforge.shards import raw  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,7 +214,8 @@ def shard(urls: list[str], repeats: int) -> None:
             timers.seconds.clear()
             with input_shards(cfg) as shards:
                 start, vips = time.process_time(), vips_worker_seconds()
-                download.download_shard(shards[0], cfg)
+                settings = settings_record(stage_settings(cfg, "download"))
+                download.download_shard(shards[0], cfg, settings)
                 cpu = (time.process_time() - start) / len(urls) * 1e3
                 timers.seconds["libvips worker threads"] = vips_worker_seconds() - vips
             if cpu < best:

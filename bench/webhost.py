@@ -145,7 +145,7 @@ def _children(pid: int) -> list[int]:
 def _serve(root: str, hosts: list[str], queue: mp.Queue) -> None:
     from contextlib import ExitStack
 
-    from pairforge.pipeline.sample_server import serve_directory
+    from pairforge.download.folder_server import serve_directory
 
     with ExitStack() as stack:
         queue.put([stack.enter_context(serve_directory(root, host)) for host in hosts])

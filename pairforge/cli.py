@@ -15,7 +15,7 @@ from pairforge import __version__
 from pairforge.config import ConfigError, PairforgeConfig, load_config
 from pairforge.pipeline.progress import console
 from pairforge.shards.inspect import status_table
-from pairforge.shards.tasks import I2T, IMG, T2I
+from pairforge.shards.labels import I2T, IMG, T2I
 from pairforge.tokenizers.cli import app as tokenizers_app
 from pairforge.train.cli import sample as sample_command
 from pairforge.train.cli import train as train_command
@@ -198,8 +198,8 @@ def _data_console() -> Console:
 @app.command()
 def inspect(path: PathArg, json_: JsonOpt = False) -> None:
     """The dataset at a glance: funnel, token budget per task, shards, models."""
+    from pairforge.shards.dataset import open_dataset
     from pairforge.shards.inspect import inspect_data, inspect_view
-    from pairforge.shards.report import open_dataset
 
     _run_guarded(open_dataset, path)  # not a dataset: say so, exit 2
     if json_:
@@ -248,7 +248,7 @@ def report(path: PathArg,
 @app.command()
 def verify(path: PathArg, json_: JsonOpt = False) -> None:
     """Re-read every tar and check it against manifest.json; exit 1 on any problem."""
-    from pairforge.shards.report import open_dataset
+    from pairforge.shards.dataset import open_dataset
     from pairforge.shards.verify import verify_dataset
 
     _run_guarded(open_dataset, path)  # not a dataset is a user error (2), not a finding (1)
@@ -281,7 +281,7 @@ def cost(path: PathArg,
          json_: JsonOpt = False) -> None:
     """What captioning this build cost per image, and a backfill and a daily rate would."""
     from pairforge.shards.cost import from_manifest, lines
-    from pairforge.shards.report import open_dataset
+    from pairforge.shards.dataset import open_dataset
 
     _, manifest = _run_guarded(open_dataset, path)
     figures = from_manifest(manifest, price, images, per_day, seconds_per_image)

@@ -123,7 +123,7 @@ PROCESS_COLUMNS: dict[str, pa.DataType] = {
     "n_image_tokens": pa.int32(),
     "caption_tokens": pa.list_(pa.int32()),
     "n_caption_tokens": pa.int32(),
-    "task": pa.string(),  # t2i, i2t or img (shards/tasks.py), set by the writer
+    "task": pa.string(),  # t2i, i2t or img (shards/labels.py), set by the writer
     "vocab_layout": pa.string(),  # the tokenize step's layout (json), into the shard stats
 }
 # Step outputs written to their own per-shard files rather than the parquet.

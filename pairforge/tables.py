@@ -1,7 +1,7 @@
 """Reading one table file: txt, csv, tsv, json, jsonl (each optionally gzipped) or parquet,
 local or any fsspec URL, with pyarrow.
 
-The build's input lists (pipeline/inputs.py) and ``pairforge recaption-eval``'s reference
+The build's input lists (download/inputs.py) and ``pairforge recaption-eval``'s reference
 tables (recaption/evaluate.py) read through here, so both take the same formats.
 """
 

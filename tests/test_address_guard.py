@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from pairforge.pipeline.address_guard import AddressGuard, BlockedAddress, refusal_reason
+from pairforge.download.address_guard import AddressGuard, BlockedAddress, refusal_reason
 
 
 @pytest.mark.parametrize(("address", "reason"), [

@@ -1,10 +1,12 @@
 """The layer rule of docs/ARCHITECTURE.md, checked on every module's imports.
 
 Layers, lowest first: the ground floor (config, records, stage, images, retry, tables,
-machine); the domain packages (filters, tokenizers, recaption, shards, train, sample,
-scenes); pipeline (Ray orchestration); cli (verbs). A module may import its own layer and
-those below it, never one above: a domain package that needs the pipeline has its logic in
-the wrong place.
+machine); the domain packages (download, filters, tokenizers, recaption, shards, train,
+sample, scenes); pipeline (Ray orchestration); cli (verbs). A module may import its own
+layer and those below it, never one above: a domain package that needs the pipeline has
+its logic in the wrong place. Only pipeline/ imports Ray (the recaption step's claim
+registry, a named actor, aside), and no module reaches itself through its imports, not
+even through an import inside a function.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pairforge"
 GROUND = {"config", "records", "stage", "images", "retry", "tables", "machine", "__init__"}
-DOMAIN = {"filters", "tokenizers", "recaption", "shards", "train", "sample", "scenes"}
+DOMAIN = {"download", "filters", "tokenizers", "recaption", "shards", "train", "sample", "scenes"}
 LAYERS = {"ground": 0, "domain": 1, "pipeline": 2, "cli": 3}
 
 
@@ -33,20 +35,53 @@ def layer_of(module: str) -> str:
     raise AssertionError(f"{module}: a new top-level module needs a layer in ARCHITECTURE.md")
 
 
-def imports_of(path: Path) -> set[str]:
+# The one Ray object a domain package owns: the build's caption claim registry.
+RAY_OUTSIDE_PIPELINE = {"pairforge.recaption.claims", "pairforge.recaption.step"}
+
+
+def _type_checking_only(tree: ast.AST) -> set[ast.AST]:
+    """Import nodes under ``if TYPE_CHECKING:``: never run, so neither layers nor cycles."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(n for body in node.body for n in ast.walk(body))
+    return skipped
+
+
+def all_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at the top or inside a function; ``from A import B``
+    names ``A.B`` where that is a module of pairforge."""
     tree = ast.parse(path.read_text())
+    skipped = _type_checking_only(tree)
     found = set()
     for node in ast.walk(tree):
+        if node in skipped:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names
+                         if _is_module(f"{node.module}.{a.name}"))
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-    return {m for m in found if m == "pairforge" or m.startswith("pairforge.")}
+    return found
+
+
+def imports_of(path: Path) -> set[str]:
+    return {m for m in all_imports(path) if m == "pairforge" or m.startswith("pairforge.")}
+
+
+def _is_module(name: str) -> bool:
+    parts = name.split(".")
+    if parts[0] != "pairforge":
+        return False
+    base = PACKAGE.parent.joinpath(*parts)
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
 def module_name(path: Path) -> str:
     relative = path.relative_to(PACKAGE.parent).with_suffix("")
-    return ".".join(relative.parts)
+    parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
+    return ".".join(parts)
 
 
 def test_no_module_imports_a_higher_layer() -> None:
@@ -70,3 +105,71 @@ def test_the_rule_catches_an_upward_import(tmp_path) -> None:
     assert imported == {"pairforge.pipeline.placement"}
     assert LAYERS[layer_of("pairforge.pipeline.placement")] > LAYERS[layer_of(
         "pairforge.filters.fake")]
+
+
+def test_only_pipeline_imports_ray() -> None:
+    outside = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        if layer_of(name) == "pipeline" or name in RAY_OUTSIDE_PIPELINE:
+            continue
+        if any(m == "ray" or m.startswith("ray.") for m in all_imports(path)):
+            outside.append(name)
+    assert not outside, f"only pipeline/ may import Ray: {outside}"
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {m for m in imports_of(path) if m in modules and m != name}
+            for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]

@@ -173,7 +173,7 @@ def test_train_help_says_what_q_leaves_out():
 
 
 def test_sample_sheet_says_an_empty_caption_instead_of_an_empty_model_field():
-    from pairforge.train.sample import caption_label
+    from pairforge.train.sampling import caption_label
 
     assert caption_label(" ", "a red circle") == (
         "model: (nothing: no caption tokens generated) | ref: a red circle")

@@ -24,6 +24,7 @@ from conftest import COCO_IMAGES
 from PIL import Image, ImageEnhance, ImageOps
 
 from pairforge.config import DedupConfig, ImageConfig, RayConfig
+from pairforge.download.imageproc import ProcessedImage, process_image
 from pairforge.filters.dedup import (
     DEGENERATE_MIN_BITS,
     ROWS_SCHEMA,
@@ -38,7 +39,6 @@ from pairforge.filters.dedup import (
     prepare_rows,
 )
 from pairforge.filters.hashing import CROP_FRACTIONS, perceptual_hashes, phash_u64
-from pairforge.pipeline.imageproc import ProcessedImage, process_image
 from pairforge.records import Status, make_key, raw_schema
 
 T = DedupConfig().max_distance

@@ -24,8 +24,9 @@ from loopback_server import LoopbackServer
 from PIL import Image
 
 from pairforge.config import PairforgeConfig, parse_config
-from pairforge.pipeline.download import download_shard
+from pairforge.download.shard import download_shard
 from pairforge.pipeline.runner import input_shards, run_download
+from pairforge.pipeline.settings import settings_record, stage_settings
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +208,7 @@ def test_existing_tar_is_reprocessed_without_network(tmp_path, name):
                         "output": {"path": str(tmp_path / "out")},
                         "download": {"threads": 2, "image": {"image_size": 64}}})
     with input_shards(cfg) as shards:
-        stats = download_shard(shards[0], cfg)
+        stats = download_shard(shards[0], cfg, settings_record(stage_settings(cfg, "download")))
     assert stats["status"] == {"ok": 3}
     table = pq.read_table(tmp_path / "out" / "raw" / "00000.parquet").to_pylist()
     assert [r["caption"] for r in table] == ["green", "red", "blue"]
@@ -219,7 +220,7 @@ def test_existing_tar_is_reprocessed_without_network(tmp_path, name):
 
 def _image_pass_peak(monkeypatch) -> dict[str, int]:  # noqa: ANN001
     """Counts the image passes running at once inside download_shard (``peak``)."""
-    from pairforge.pipeline import download
+    from pairforge.download import shard as download
 
     seen, lock = {"running": 0, "peak": 0}, threading.Lock()
     original = download.process_image
@@ -300,7 +301,7 @@ def test_image_pass_runs_at_most_image_threads_at_once(tmp_path, servers, monkey
     seen = _image_pass_peak(monkeypatch)
     cfg = _photos_shard_config(tmp_path, servers[0], 24, image_threads=image_threads)
     with input_shards(cfg) as shards:
-        stats = download_shard(shards[0], cfg)
+        stats = download_shard(shards[0], cfg, settings_record(stage_settings(cfg, "download")))
     assert stats["status"] == {"ok": 24}
     assert seen["peak"] == image_threads
 
@@ -310,7 +311,7 @@ def test_image_pass_widens_to_the_slots_the_runner_answers(tmp_path, servers, mo
                                                            slots, cores, expected):
     """In the run's tail the progress report answers with more task slots; the image pass
     widens to slots x image_threads, within the node's cores."""
-    from pairforge.pipeline import download
+    from pairforge.download import shard as download
 
     seen = _image_pass_peak(monkeypatch)
     monkeypatch.setattr(download, "usable_cores", lambda: cores)
@@ -322,7 +323,8 @@ def test_image_pass_widens_to_the_slots_the_runner_answers(tmp_path, servers, mo
         return slots
 
     with input_shards(cfg) as shards:
-        stats = download_shard(shards[0], cfg, progress=progress)
+        settings = settings_record(stage_settings(cfg, "download"))
+        stats = download_shard(shards[0], cfg, settings, progress=progress)
     assert stats["status"] == {"ok": 40}
     assert sum(reports) == 40 and len(reports) >= 2  # widened before the last rows
     assert seen["peak"] == expected

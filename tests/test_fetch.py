@@ -18,8 +18,8 @@ import pytest
 from loopback_server import LoopbackServer, loopback_download_config, make_bomb_png, pixel_count
 
 from pairforge import __version__
-from pairforge.pipeline import fetch as fetch_module
-from pairforge.pipeline.fetch import (
+from pairforge.download import fetch as fetch_module
+from pairforge.download.fetch import (
     Fetcher,
     FetchResult,
     robots_opt_out,

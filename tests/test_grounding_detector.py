@@ -17,7 +17,7 @@ from PIL import Image
 import pairforge
 from pairforge.config import ConfigError, GroundingConfig, parse_config
 from pairforge.pipeline.preflight import check_model_sources
-from pairforge.recaption.grounding import load_grounding
+from pairforge.recaption.checked import load_grounding
 from pairforge.recaption.tiny import save_tiny_detector
 
 SAMPLE = Path(pairforge.__file__).parent / "sample"

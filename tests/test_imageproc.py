@@ -1,4 +1,4 @@
-"""pipeline.imageproc: img2dataset-compatible checks, resize modes, hashes and failures."""
+"""download.imageproc: img2dataset-compatible checks, resize modes, hashes and failures."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from conftest import COCO_IMAGES
 from PIL import Image, JpegImagePlugin
 
 from pairforge.config import ImageConfig
+from pairforge.download import jpegdecode
+from pairforge.download.imageproc import ImageFailure, ProcessedImage, process_image
+from pairforge.download.resample import downscale
 from pairforge.filters.hashing import PIXEL_HASH, hamming_u64, phash_u64
-from pairforge.pipeline import jpegdecode
-from pairforge.pipeline.imageproc import ImageFailure, ProcessedImage, process_image
-from pairforge.pipeline.resample import downscale
 from pairforge.records import Status
 
 COCO = COCO_IMAGES  # the repository's real test photos (tests/data/README.md)

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairforge.config import ConfigError, InputConfig
-from pairforge.pipeline.inputs import read_input_table, split_shards, tail_parts
+from pairforge.download.inputs import read_input_table, split_shards, tail_parts
 from pairforge.records import index_digits, make_key
 
 ROWS = [{"url": f"http://h/{i}.jpg", "caption": f"cap {i}", "lic": f"l{i}"} for i in range(5)]

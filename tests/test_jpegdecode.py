@@ -18,8 +18,8 @@ from conftest import COCO_IMAGES
 from PIL import Image, ImageCms
 
 from pairforge.config import ImageConfig
-from pairforge.pipeline import jpegdecode
-from pairforge.pipeline.imageproc import ImageFailure, ProcessedImage, _draft_scale, process_image
+from pairforge.download import jpegdecode
+from pairforge.download.imageproc import ImageFailure, ProcessedImage, _draft_scale, process_image
 from pairforge.records import Status
 
 # --- images --------------------------------------------------------------------------------

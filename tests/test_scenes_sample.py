@@ -8,7 +8,7 @@ import torch
 from pairforge.tokenizers.vocab import VocabLayout
 from pairforge.train.config import ModelConfig
 from pairforge.train.model import Transformer
-from pairforge.train.sample import (
+from pairforge.train.sampling import (
     caption_codes,
     caption_codes_batch,
     generate_image_codes,

@@ -144,7 +144,7 @@ def test_values_that_are_not_bytes_are_refused():
 def test_the_stage_workers_modules_do_not_import_torch():
     """The reading, writing and download tasks import these modules; torch (pulled in by
     webdataset) would cost every Ray worker 1.6 s of CPU and ~300 MB each time it starts."""
-    code = ("import sys, pairforge.pipeline.process, pairforge.pipeline.download, "
+    code = ("import sys, pairforge.pipeline.process, pairforge.download.shard, "
             "pairforge.pipeline.dedup_stage; print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)

@@ -200,7 +200,7 @@ def test_torchrun_two_processes_on_gloo(coco_shards, tmp_path):
 def test_cfg_sampling_captioning_and_the_sheet(trained, tmp_path):
     from PIL import Image
 
-    from pairforge.train.sample import caption_codes, generate_image_codes, load_model
+    from pairforge.train.sampling import caption_codes, generate_image_codes, load_model
 
     run, report = trained
     model, layout, _ = load_model(run)

@@ -85,7 +85,7 @@ def _reason(err: BaseException) -> str:
 def input_problems(cfg: PairforgeConfig) -> list[str]:
     """The input paths exist, their format is known, and the first table file has the
     named columns (its header only: the whole input is read once, by the download)."""
-    from pairforge.pipeline.inputs import BUNDLED_SAMPLE, _expand_paths
+    from pairforge.download.inputs import BUNDLED_SAMPLE, _expand_paths
     from pairforge.tables import detect_format
 
     if cfg.input.path == BUNDLED_SAMPLE:

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from pairforge.config import PairforgeConfig
-from pairforge.pipeline.download import download_shard
-from pairforge.pipeline.inputs import (
+from pairforge.download.folder_server import bundled_sample_table, serve_directory
+from pairforge.download.inputs import (
     BUNDLED_SAMPLE,
     InputShard,
     normalise_table,
@@ -18,10 +18,11 @@ from pairforge.pipeline.inputs import (
     split_shards,
     tail_parts,
 )
+from pairforge.download.shard import download_shard
 from pairforge.pipeline.progress import LOG, ProgressCounter, StageDisplay, say
 from pairforge.pipeline.ray_runtime import driver_local_actor, init_ray
 from pairforge.pipeline.runlog import log_shard, run_log
-from pairforge.pipeline.sample_server import bundled_sample_table, serve_directory
+from pairforge.pipeline.settings import check_settings, settings_record, stage_settings
 from pairforge.shards.raw import completed_shards, merge_parts, remove_parts, stats_name
 from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir
 
@@ -32,25 +33,25 @@ def input_shards(cfg: PairforgeConfig) -> Iterator[list[InputShard]]:
     if cfg.input.path != BUNDLED_SAMPLE:
         yield list(split_shards(read_input_table(cfg.input), cfg.input.shard_size))
         return
-    from pairforge.pipeline.sample_server import SAMPLE_DIR
+    from pairforge.download.folder_server import SAMPLE_DIR
 
     with serve_directory(SAMPLE_DIR) as base_url:
         table = normalise_table(bundled_sample_table(base_url), cfg.input, BUNDLED_SAMPLE)
         yield list(split_shards(table, cfg.input.shard_size))
 
 
-def _download_task(shard: InputShard, cfg: PairforgeConfig, counter: Any) -> dict[str, Any]:
+def _download_task(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, Any],
+                   counter: Any) -> dict[str, Any]:
     import ray
 
-    return download_shard(shard, cfg, progress=lambda c: ray.get(counter.add.remote(dict(c))))
+    return download_shard(shard, cfg, settings,
+                          progress=lambda c: ray.get(counter.add.remote(dict(c))))
 
 
 def run_download(cfg: PairforgeConfig, show_progress: bool = True,
                  force: bool = False) -> dict[str, Any]:
     """Stage 1 over every shard not yet complete under these settings (``force``: redo the
     shards made under others; else they stop it); returns the funnel of all shards."""
-    from pairforge.pipeline.settings import check_settings
-
     check_settings(cfg, ("download",), force)
     with run_log(cfg, "download") as log:
         return {**_download(cfg, show_progress), "log": log}
@@ -92,9 +93,10 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
             log_shard(out, RAW_FOLDER, stats)
             merged.append(stats["shard"])
 
+        settings = settings_record(stage_settings(cfg, "download"))
         started = time.time()
         with display:
-            _run_bounded(tail_parts(todo, limit), lambda s: task.remote(s, cfg, counter),
+            _run_bounded(tail_parts(todo, limit), lambda s: task.remote(s, cfg, settings, counter),
                          limit, tick, done_task, on_slots=counter.share.remote)
         ray.kill(counter)
         seconds = time.time() - started

@@ -8,16 +8,18 @@ reference captions, so what the evaluation measures is what a build writes.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from PIL import Image
 
-from pairforge.config import PairforgeConfig
+from pairforge.config import GroundingConfig, PairforgeConfig
 from pairforge.filters.clip import ClipScorer
 from pairforge.recaption.attributes import load_lexicon, neutralize
 from pairforge.recaption.backends import Captioner, load_captioner
 from pairforge.recaption.cache import CachedCaption
-from pairforge.recaption.grounding import Grounding, load_grounding
+from pairforge.recaption.detector import DetectorGrounding
+from pairforge.recaption.grounding import ClipGrounding, Grounding, NounLexicon
 from pairforge.recaption.prompts import DEFAULT_PROMPT, STRICT_PROMPT, clean_caption
 
 Checked = tuple[str, list[str], list[str]]  # caption, attribute flags, problems
@@ -100,3 +102,15 @@ class CheckedCaptioner:
                                                [embeddings[i] for i in retry],
                                                self.prompt + STRICT_PROMPT), strict=True))
         return [_verdict(checked, second.get(i)) for i, checked in enumerate(first)]
+
+
+def load_grounding(cfg: GroundingConfig, device: str,
+                   clip: Callable[[], Any]) -> Grounding | None:
+    """The configured backend, or None when grounding is off; ``clip`` returns the clip
+    section's scorer (called only by the clip backend, so a detector loads no CLIP)."""
+    if not cfg.enabled:
+        return None
+    lexicon = NounLexicon(cfg.extra_nouns)
+    if cfg.backend == "detector":
+        return DetectorGrounding(cfg.detector, lexicon, device)
+    return ClipGrounding(clip(), lexicon, cfg.min_score)

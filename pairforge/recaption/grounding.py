@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from pairforge.config import GroundingConfig
 from pairforge.recaption.words import plural
 
 NOUN_FILE = "objects.txt"
@@ -114,17 +113,3 @@ class ClipGrounding(Grounding):
                 embeddings[i] = vector
         return [(self._embed_nouns(names) @ np.asarray(e)).tolist() if names else []
                 for names, e in zip(nouns, embeddings, strict=True)]
-
-
-def load_grounding(cfg: GroundingConfig, device: str,
-                   clip: Callable[[], Any]) -> Grounding | None:
-    """The configured backend, or None when grounding is off; ``clip`` returns the clip
-    section's scorer (called only by the clip backend, so a detector loads no CLIP)."""
-    if not cfg.enabled:
-        return None
-    lexicon = NounLexicon(cfg.extra_nouns)
-    if cfg.backend == "detector":
-        from pairforge.recaption.detector import DetectorGrounding
-
-        return DetectorGrounding(cfg.detector, lexicon, device)
-    return ClipGrounding(clip(), lexicon, cfg.min_score)

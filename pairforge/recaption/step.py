@@ -35,7 +35,7 @@ from pairforge.recaption.cache import (
     write_part,
 )
 from pairforge.recaption.checked import CheckedCaptioner
-from pairforge.recaption.registry import REGISTRY_PREFIX, find_registry, start_registry
+from pairforge.recaption.claims import REGISTRY_PREFIX, find_registry, start_registry
 from pairforge.records import process_columns
 from pairforge.stage import ModelStep, StepResult
 

@@ -34,7 +34,7 @@ def load_run(run: str | Path) -> tuple[Any, Any, Any, Any]:
     """(model, layout, text tokenizer, image tokenizer) of a training run folder."""
     from pairforge.tokenizers.registry import load_image_tokenizer, load_text_tokenizer
     from pairforge.train.data import open_datasets
-    from pairforge.train.sample import load_model
+    from pairforge.train.sampling import load_model
 
     model, layout, cfg = load_model(run)
     datasets = open_datasets(cfg.data)
@@ -51,7 +51,7 @@ def adherence(model: Any, layout: Any, text: Any, image: Any, prompts: list[Scen
               cfg_scale: float = 1.0, temperature: float = 1.0, top_k: int = 0,
               seed: int = 0, batch_size: int = 64) -> dict[str, Any]:
     """Share of drawings whose judged attributes match their prompt."""
-    from pairforge.train.sample import generate_image_codes_batch
+    from pairforge.train.sampling import generate_image_codes_batch
 
     grid = image.grid_shape(image.resolution, image.resolution)
     generator = torch.Generator().manual_seed(seed)
@@ -79,7 +79,7 @@ def caption_accuracy(model: Any, layout: Any, text: Any, image: Any, truth: list
                      batch_size: int = 64) -> dict[str, Any]:
     """Share of greedy i2t captions of held-out renders that state exactly their scene,
     and per attribute (an unparseable caption is wrong on every attribute)."""
-    from pairforge.train.sample import caption_codes_batch
+    from pairforge.train.sampling import caption_codes_batch
 
     renders = [render(s, image.resolution) for s in truth]
     codes = image.encode(renders)
@@ -136,7 +136,7 @@ def evaluate_run(run: str | Path, prompts: int = 200, captions: int = 200,
     drawn["validation_by_scale"] = {str(k): v for k, v in validation.items()}
     images = drawn.pop("images")
     if sheet:
-        from pairforge.train.sample import sheet as make_sheet
+        from pairforge.train.sampling import sheet as make_sheet
 
         tiles = [(im, f"prompt: {s.caption}") for im, s in zip(images[:16], held, strict=False)]
         make_sheet([tiles[:8], tiles[8:16]]).save(sheet)

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from pairforge.records import Status, index_digits, shard_of_key
-from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, SHARDS_FOLDER, OutputDir
+from pairforge.shards.storage import DEDUP_FOLDER, MANIFEST, RAW_FOLDER, SHARDS_FOLDER, OutputDir
 from pairforge.shards.training import read_raw_images
 
 # Every kind of duplicate, in the order the hash join checks its evidence, then stage 3's.
@@ -75,7 +75,7 @@ def duplicate_pairs(out: OutputDir, kind: str | None, grep: str | None, n: int
     """The first ``n`` dropped duplicates (of ``kind``, or of every kind) as contact-sheet
     samples, each with the image of the row it was dropped for (None when that row was
     shipped by an earlier build: the index keeps hashes, not images)."""
-    manifest = out.read_json("manifest.json")
+    manifest = out.read_json(MANIFEST)
     kinds = {kind} if kind else {k.value for k in DUPLICATE_KINDS}
     digits = index_digits(manifest["config"]["input"]["shard_size"])
     decisions = _evidence(out)

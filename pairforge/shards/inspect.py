@@ -12,7 +12,7 @@ from pairforge.records import STATUS_HELP, Status
 from pairforge.shards.cost import from_manifest
 from pairforge.shards.cost import lines as cost_lines
 from pairforge.shards.duplicates import summary_lines
-from pairforge.shards.storage import OutputDir
+from pairforge.shards.storage import MANIFEST, OutputDir
 
 
 def status_table(counts: dict[str, int], title: str) -> Table:
@@ -96,7 +96,7 @@ def _models(manifest: dict[str, Any]) -> Text:
 
 
 def inspect_view(path: str, storage_options: dict | None = None) -> Group:
-    manifest = OutputDir(path, storage_options).read_json("manifest.json")
+    manifest = OutputDir(path, storage_options).read_json(MANIFEST)
     budget = manifest["budget"]
     funnel = manifest["funnel"]
     head = Text.assemble(
@@ -117,7 +117,7 @@ def inspect_view(path: str, storage_options: dict | None = None) -> Group:
 def inspect_data(path: str, storage_options: dict | None = None) -> dict[str, Any]:
     """What ``inspect`` shows, as plain data for ``inspect --json``: the manifest's summary
     parts (the full config, vocabulary ids and per-shard budgets stay in manifest.json)."""
-    manifest = OutputDir(path, storage_options).read_json("manifest.json")
+    manifest = OutputDir(path, storage_options).read_json(MANIFEST)
     shards = [{"name": s["name"], "rows": s["rows"], "samples": s["samples"],
                "i2t_share": (s.get("budget") or {}).get("realized")}
               for s in manifest["shards"]]

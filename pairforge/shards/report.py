@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,25 +24,9 @@ import pyarrow.parquet as pq
 from pairforge.config import ConfigError
 from pairforge.records import STATUS_HELP, Status
 from pairforge.shards import report_plots as plots
+from pairforge.shards.dataset import check_output_folder, open_dataset
 from pairforge.shards.duplicates import summary_lines
 from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, SHARDS_FOLDER, OutputDir
-
-MANIFEST = "manifest.json"
-
-
-def open_dataset(path: str, storage_options: dict | None = None) -> tuple[OutputDir, dict]:
-    """The dataset folder and its manifest; ``ConfigError`` when ``path`` is not a dataset
-    (the commands that read one answer with a message, not a traceback)."""
-    try:
-        out = OutputDir(path, storage_options)
-        found = out.exists(MANIFEST)
-    except Exception as err:  # noqa: BLE001 - an unknown protocol, a bad bucket name ...
-        raise ConfigError(f"{path}: cannot open ({type(err).__name__}: {err})") from None
-    if not found:
-        what = "has no manifest.json" if out.exists() else "does not exist"
-        raise ConfigError(f"{path} {what}, so it is not a pairforge dataset: make one with "
-                          "`pairforge build CONFIG` and pass its output.path")
-    return out, out.read_json(MANIFEST)
 
 
 def _rows(out: OutputDir, manifest: dict[str, Any]) -> pa.Table:
@@ -216,11 +199,11 @@ def _recaption(rows: pa.Table, manifest: dict[str, Any]) -> str:
 
 
 def _thumbnails(out: OutputDir, n: int = 12) -> str:
-    from pairforge.shards.show import _image, select_samples
+    from pairforge.shards.show import sample_image, select_samples
 
     tiles = []
     for sample in select_samples(out, None, None, n):
-        image = _image(sample)
+        image = sample_image(sample)
         image.thumbnail((128, 128))
         buffer = io.BytesIO()
         image.save(buffer, format="JPEG", quality=85)
@@ -309,10 +292,3 @@ def write_report(path: str, output: str, storage_options: dict | None = None) ->
             f.write(page)
     except OSError as err:
         raise ConfigError(f"-o {output}: cannot write ({err.strerror or err})") from None
-
-
-def check_output_folder(output: str) -> None:
-    """``-o``'s folder exists: said before the work, not after it."""
-    folder = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(folder):
-        raise ConfigError(f"-o {output}: the folder {folder} does not exist")

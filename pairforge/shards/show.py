@@ -24,8 +24,8 @@ from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from pairforge.config import ConfigError
 from pairforge.records import Status
-from pairforge.shards.report import check_output_folder, open_dataset
-from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
+from pairforge.shards.dataset import check_output_folder, open_dataset
+from pairforge.shards.storage import MANIFEST, SHARDS_FOLDER, OutputDir
 from pairforge.shards.training import IMAGE_EXTENSIONS
 
 TILE = 192
@@ -41,7 +41,7 @@ DUPLICATE_LABELS = ("dropped duplicate", "kept")
 def select_samples(out: OutputDir, task: str | None, grep: str | None,
                    n: int) -> list[dict[str, Any]]:
     """The first ``n`` samples (in key order) matching the task and caption word."""
-    manifest = out.read_json("manifest.json")
+    manifest = out.read_json(MANIFEST)
     urls = [out.uri(SHARDS_FOLDER, s["name"]) for s in manifest["shards"]]
     chosen = []
     for sample in wds.WebDataset(urls, shardshuffle=False).decode():
@@ -65,7 +65,7 @@ def select_dropped(out: OutputDir, status: str, grep: str | None,
     from pairforge.shards.training import read_raw_images
 
     chosen: list[dict[str, Any]] = []
-    for shard in out.read_json("manifest.json")["shards"]:
+    for shard in out.read_json(MANIFEST)["shards"]:
         if len(chosen) == n:
             break
         if not shard["status"].get(status):
@@ -85,7 +85,7 @@ def select_dropped(out: OutputDir, status: str, grep: str | None,
     return chosen
 
 
-def _image(sample: dict[str, Any]) -> Image.Image:
+def sample_image(sample: dict[str, Any]) -> Image.Image:
     # webdataset's default decode() turns .npy and .json into objects, leaves images as bytes
     ext = next(e for e in IMAGE_EXTENSIONS if e in sample)
     return Image.open(io.BytesIO(sample[ext])).convert("RGB")
@@ -98,7 +98,7 @@ def reconstructions(out: OutputDir, samples: list[dict[str, Any]],
     The manifest names the tokenizer as the build's config did, maybe by a path relative
     to where the build ran; when it cannot be loaded from here the sheet goes without
     reconstructions and ``notes`` says why."""
-    manifest = out.read_json("manifest.json")
+    manifest = out.read_json(MANIFEST)
     image_cfg = (manifest["config"]["process"]["tokenize"] or {}).get("image")
     if not manifest.get("vocab") or not image_cfg:
         return [None] * len(samples)
@@ -195,7 +195,7 @@ def contact_sheet(samples: list[dict[str, Any]], recons: list[Image.Image | None
     for i, (sample, recon) in enumerate(zip(samples, recons, strict=True)):
         x, y = (i % columns) * tile_w, (i // columns) * tile_h
         draw.text((x + PAD, y + 1), labels[0], fill="#555555", font=font)
-        sheet.paste(_fit(_image(sample), TILE), (x, y + LABEL_HEIGHT))
+        sheet.paste(_fit(sample_image(sample), TILE), (x, y + LABEL_HEIGHT))
         if paired:
             draw.text((x + TILE + PAD, y + 1), labels[1], fill="#555555", font=font)
             if recon is not None:

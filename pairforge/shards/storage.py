@@ -29,6 +29,7 @@ DEDUP_FOLDER = "dedup"  # stage 2
 SCORES_FOLDER = "clip"  # stage 3, CLIP scores of top_fraction mode
 EMBEDDINGS_FOLDER = "embeddings"  # stage 3, optional image embeddings
 SHARDS_FOLDER = "shards"  # stage 3, training shards
+MANIFEST = "manifest.json"  # the dataset's manifest, at the top of OUT
 
 
 class OutputDir:

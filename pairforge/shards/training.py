@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 
 from pairforge.config import TasksConfig
 from pairforge.records import Status, json_safe
+from pairforge.shards.labels import IMG, assign_tasks, share_report, start_offset
 from pairforge.shards.raw import shard_name, stats_name
 from pairforge.shards.storage import EMBEDDINGS_FOLDER, RAW_FOLDER, SHARDS_FOLDER, OutputDir
 from pairforge.shards.tar import SampleTarWriter, read_samples
-from pairforge.shards.tasks import IMG, assign_tasks, share_report, start_offset
 
 IMAGE_EXTENSIONS = ("jpg", "webp", "png")
 SPECIALS_PER_SEQUENCE = 4  # leading EOS, SOV, EOV, final EOS

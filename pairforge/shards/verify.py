@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
+from pairforge.shards.storage import MANIFEST, SHARDS_FOLDER, OutputDir
 from pairforge.shards.tar import split_member_name
 
 REQUIRED = ("txt", "json")
@@ -77,9 +77,9 @@ def verify_dataset(path: str, storage_options: dict | None = None,
                    tolerance_images: float = 1.0) -> list[str]:
     """Every problem found; an empty list means the dataset matches its manifest."""
     out = OutputDir(path, storage_options)
-    if not out.exists("manifest.json"):
+    if not out.exists(MANIFEST):
         return [f"{path}: no manifest.json (not a finished pairforge dataset)"]
-    manifest = out.read_json("manifest.json")
+    manifest = out.read_json(MANIFEST)
     tokenized = manifest.get("vocab") is not None
     problems: list[str] = []
     seen: set[str] = set()

@@ -66,7 +66,7 @@ def sample(
     """Draw images from captions (CFG) and caption held-out images (greedy): a PNG sheet
     plus a JSON of the captions next to it."""
     from pairforge.config import ConfigError
-    from pairforge.train.sample import sample_run
+    from pairforge.train.sampling import sample_run
 
     try:
         result = sample_run(run, output, prompts=prompt or None, n=n, cfg_scale=cfg_scale,

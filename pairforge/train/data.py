@@ -20,8 +20,8 @@ import numpy as np
 import webdataset as wds
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
-from pairforge.shards.tasks import I2T, IMG, T2I
+from pairforge.shards.labels import I2T, IMG, T2I
+from pairforge.shards.storage import MANIFEST, SHARDS_FOLDER, OutputDir
 from pairforge.tokenizers.vocab import VocabLayout, VocabMismatch
 from pairforge.train.config import DataConfig
 from pairforge.train.sequences import Batch, Sequence, build_sequence, collate
@@ -50,7 +50,7 @@ class Datasets:
 
 def _read_manifest(path: str, storage_options: dict[str, Any]) -> dict[str, Any]:
     try:
-        return OutputDir(path, storage_options).read_json("manifest.json")
+        return OutputDir(path, storage_options).read_json(MANIFEST)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} has no manifest.json: build it with `pairforge build` "
                                 "(only shards a manifest lists are complete)") from None

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pairforge.shards.tasks import I2T, IMG, T2I
+from pairforge.shards.labels import I2T, IMG, T2I
 from pairforge.tokenizers.vocab import VocabLayout
 from pairforge.train.config import RunConfig, TrainConfig
 from pairforge.train.data import (

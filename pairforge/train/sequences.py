@@ -20,7 +20,7 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-from pairforge.shards.tasks import I2T, IMG, T2I
+from pairforge.shards.labels import I2T, IMG, T2I
 from pairforge.tokenizers.vocab import VocabLayout
 
 TASKS = (T2I, I2T, IMG)

@@ -54,9 +54,9 @@ import numpy as np
 from PIL import ExifTags, Image, ImageOps, JpegImagePlugin, UnidentifiedImageError
 
 from pairforge.config import ImageConfig
+from pairforge.download import jpegdecode
+from pairforge.download.resample import downscale as _downscale
 from pairforge.filters.hashing import perceptual_hashes, pixel_hash_hex, sha256_hex
-from pairforge.pipeline import jpegdecode
-from pairforge.pipeline.resample import downscale as _downscale
 from pairforge.records import Status
 
 # Formats a web image can reasonably be. Others Pillow knows are refused as not_an_image:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pairforge.shards.tasks import (
+from pairforge.shards.labels import (
     I2T,
     IMG,
     T2I,

@@ -23,11 +23,10 @@ from typing import Any
 import fsspec
 
 from pairforge.config import PairforgeConfig
+from pairforge.download.fetch import Fetcher, FetchResult
+from pairforge.download.imageproc import ImageFailure, ProcessedImage, process_image
+from pairforge.download.inputs import InputShard
 from pairforge.machine import usable_cores
-from pairforge.pipeline.fetch import Fetcher, FetchResult
-from pairforge.pipeline.imageproc import ImageFailure, ProcessedImage, process_image
-from pairforge.pipeline.inputs import InputShard
-from pairforge.pipeline.settings import settings_record, stage_settings
 from pairforge.records import Status, index_digits, json_safe, make_key
 from pairforge.shards.raw import RawShardWriter
 from pairforge.shards.storage import RAW_FOLDER, OutputDir
@@ -135,11 +134,12 @@ def _sample_meta(record: dict[str, Any]) -> dict[str, Any]:
     return json_safe({k: v for k, v in record.items() if v is not None and k not in skip})
 
 
-def download_shard(shard: InputShard, cfg: PairforgeConfig,
+def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, Any],
                    progress: ProgressFn | None = None) -> dict[str, Any]:
     """Download one shard and write its tar, parquet and (last) stats file; a part of a
     shard (``shard.parts`` > 1) writes its tar and parquet, and its stats are returned for
-    ``shards.raw.merge_parts``."""
+    ``shards.raw.merge_parts``. ``settings``: the run's settings record, written into the
+    stats so that reruns know what made the shard (the runner computes it once)."""
     started = time.time()
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(RAW_FOLDER)
@@ -174,7 +174,7 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig,
     if progress and pending:
         progress(pending)
     return writer.close({"stage": "download",
-                         "settings": settings_record(stage_settings(cfg, "download")),
+                         "settings": settings,
                          "start_time": started, "end_time": time.time(),
                          "duration_s": round(time.time() - started, 3),
                          "config": json.loads(cfg.download.model_dump_json())})

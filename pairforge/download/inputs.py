@@ -109,7 +109,7 @@ def _folder_rows(fs: fsspec.AbstractFileSystem, root: str, cfg: InputConfig) -> 
 
 def _tar_rows(fs: fsspec.AbstractFileSystem, path: str, cfg: InputConfig) -> pa.Table:
     """Samples of an existing WebDataset tar: the image is read back from the tar later
-    (pipeline/download.py matches ``KEY.EXT`` the way shards/tar.py groups members)."""
+    (download/shard.py matches ``KEY.EXT`` the way shards/tar.py groups members)."""
     urls, captions, sources = [], [], []
     location = fs.unstrip_protocol(path)
     with fs.open(path, "rb", compression="infer") as f:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from pairforge import __version__
 from pairforge.config import DownloadConfig
-from pairforge.pipeline.address_guard import AddressGuard, BlockedAddress
+from pairforge.download.address_guard import AddressGuard, BlockedAddress
 from pairforge.records import Status
 from pairforge.retry import parse_retry_after
 
