@@ -141,24 +141,24 @@ class Urllib3Fetcher(Fetcher):
             pool.close()
 
     def _pool_for(self, target: _Target) -> HTTPConnectionPool:
-        with self._pools_lock:
+        evicted = None
+        with self._pools_lock:  # making a pool opens nothing: cheap under the lock
             pool = self._pools.get(target.key)
             if pool is not None:
                 self._pools.move_to_end(target.key)
                 return pool
-        kwargs = {"maxsize": self.cfg.per_host_connections, "block": False,
-                  "retries": False, "guard": self.guard}
-        if target.scheme == "https":
-            pool = _GuardedHTTPSPool(target.host, target.port, ssl_context=self._tls_context(),
-                                     **kwargs)
-        else:
-            pool = _GuardedHTTPPool(target.host, target.port, **kwargs)
-        with self._pools_lock:
-            self._pools[target.key] = pool  # a racing thread's twin is simply replaced
-            evicted = self._pools.popitem(last=False)[1] if len(
-                self._pools) > self._max_pools else None
+            kwargs = {"maxsize": self.cfg.per_host_connections, "block": False,
+                      "retries": False, "guard": self.guard}
+            if target.scheme == "https":
+                pool = _GuardedHTTPSPool(target.host, target.port,
+                                         ssl_context=self._tls_context(), **kwargs)
+            else:
+                pool = _GuardedHTTPPool(target.host, target.port, **kwargs)
+            self._pools[target.key] = pool
+            if len(self._pools) > self._max_pools:
+                evicted = self._pools.popitem(last=False)[1]  # least recently used
         if evicted is not None:
-            evicted.close()
+            evicted.close()  # idle connections now; lent ones close when handed back
         return pool
 
     def _attempt(self, target: _Target) -> FetchResult | _Redirect:

@@ -523,14 +523,13 @@ def test_stale_connection_retried_once(monkeypatch: pytest.MonkeyPatch,
                                        http_server: LoopbackServer) -> None:
     # Hide the idle check so the request really goes out on the dead connection. The one
     # fresh try is not a retry: it happens with download.retries 0 too.
-    fetcher = make_fetcher(retries=0)
     monkeypatch.setattr(fetch_module, "_looks_closed", lambda conn: False)
     if Fetcher is not fetch_module.Fetcher:
         monkeypatch.setattr("urllib3.connectionpool.is_connection_dropped", lambda conn: False)
-    assert fetcher.fetch(http_server.url("/close-after/red.jpg")).status == Status.OK
-    time.sleep(0.05)
-    result = fetcher.fetch(http_server.url("/img/red.jpg"))
-    fetcher.close()
+    with make_fetcher(retries=0) as fetcher:
+        assert fetcher.fetch(http_server.url("/close-after/red.jpg")).status == Status.OK
+        time.sleep(0.05)
+        result = fetcher.fetch(http_server.url("/img/red.jpg"))
     assert result.status == Status.OK
     assert http_server.hits("/img/red.jpg") == 1 and http_server.connections == 2
 
