@@ -11,10 +11,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from references import brute_force_pairs
 
 from pairforge.filters.semantic import (
     assign,
-    brute_force_pairs,
     cluster_pairs,
     duplicates_from_pairs,
     group_pairs,
