@@ -40,10 +40,8 @@ from pairforge.filters.dedup import (
     pixel_hash_matches,
     prepare_rows,
 )
-from pairforge.pipeline import progress
 from pairforge.pipeline.entry import RunOptions
 from pairforge.pipeline.ray_runtime import init_ray
-from pairforge.pipeline.runlog import run_log
 from pairforge.records import HASH_COLUMNS
 from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir, atomic_writer
 
@@ -276,6 +274,10 @@ def run_dedup_stage(cfg: PairforgeConfig, run: RunOptions) -> dict[str, Any]:
     """Stage 2 over the complete raw shards (only their hash columns are read); ``run.force``
     redoes a finished dedup even when it matches its inputs. Its rerun check is its inputs'
     digest, not ``settings.check_settings``."""
+    # the driver's alone: the Ray workers that import this module for its tasks skip them
+    from pairforge.pipeline import progress
+    from pairforge.pipeline.runlog import run_log
+
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     with run_log(cfg, "dedup") as log:
         stats = run_dedup(out.uri(RAW_FOLDER), out.uri(DEDUP_FOLDER), cfg.dedup, cfg.ray,
