@@ -42,7 +42,7 @@ from webhost import start_hosts  # noqa: E402
 from pairforge.config import DownloadConfig, load_config  # noqa: E402
 from pairforge.download import shard as shard_module  # noqa: E402
 from pairforge.download.fetch import Fetcher  # noqa: E402
-from pairforge.pipeline.runner import input_shards  # noqa: E402
+from pairforge.pipeline.download_stage import input_shards  # noqa: E402
 from pairforge.pipeline.settings import settings_record, stage_settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

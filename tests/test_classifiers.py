@@ -378,6 +378,7 @@ def built(raw, models, tmp_path_factory) -> dict:
     scores where known rows fall on each side."""
     import shutil
 
+    from pairforge.pipeline.entry import RunOptions
     from pairforge.pipeline.process import run_process
 
     table = _raw_table(raw / "raw")
@@ -398,7 +399,7 @@ def built(raw, models, tmp_path_factory) -> dict:
          "drop_above": nsfw_bound, "status": "unsafe", "batch_size": 8},
         {"name": "aesthetic", "backend": "clip-head", "path": models["aesthetic"],
          "drop_below": aesthetic_bound, "status": "low_aesthetic"}]))
-    summary = run_process(cfg, show_progress=False)
+    summary = run_process(cfg, RunOptions(show_progress=False))
     return {"out": out, "summary": summary, "expected": expected,
             "bare": {k: {"nsfw": nsfw[i], "aesthetic": heads["aesthetic"][i]}
                      for i, k in enumerate(keys)}}

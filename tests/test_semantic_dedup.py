@@ -11,10 +11,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from references import brute_force_pairs
 
 from pairforge.filters.semantic import (
     assign,
-    brute_force_pairs,
     cluster_pairs,
     duplicates_from_pairs,
     group_pairs,
@@ -227,6 +227,7 @@ def test_stage3_drops_semantic_copies_beside_their_kept_rows(tmp_path, tiny_clip
     from PIL import Image
 
     from pairforge.config import parse_config
+    from pairforge.pipeline.entry import RunOptions
     from pairforge.pipeline.process import run_process
 
     photos = sorted(COCO_IMAGES.iterdir())[:10]
@@ -252,7 +253,7 @@ def test_stage3_drops_semantic_copies_beside_their_kept_rows(tmp_path, tiny_clip
                                     "clip": {"enabled": True, "batch_size": 8,
                                              "mode": "score_only", "save_embeddings": True,
                                              **tiny_clip}}})
-    summary = run_process(cfg, show_progress=False)
+    summary = run_process(cfg, RunOptions(show_progress=False))
     rows = {}
     for part in sorted((raw / "shards").glob("*.parquet")):
         rows.update({r["key"]: r for r in pq.read_table(part).to_pylist()})
@@ -270,7 +271,8 @@ def test_stage3_drops_semantic_copies_beside_their_kept_rows(tmp_path, tiny_clip
     embedded = [k for f in sorted((raw / "embeddings").glob("*_keys.json"))
                 for k in json.loads(f.read_text())]
     assert sorted(embedded) == sorted(rows)
-    assert run_process(cfg, show_progress=False)["semantic_dedup"] == summary["semantic_dedup"]
+    again = run_process(cfg, RunOptions(show_progress=False))
+    assert again["semantic_dedup"] == summary["semantic_dedup"]
     # every decision explained: counts per kind, and each dropped row beside the kept one
     from pairforge.shards.duplicates import summary_lines
     from pairforge.shards.show import TILE, show

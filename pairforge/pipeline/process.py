@@ -20,6 +20,7 @@ from pairforge.config import PairforgeConfig
 from pairforge.filters.basic import BasicFilterStep
 from pairforge.filters.classify import classifier_steps
 from pairforge.filters.clip import ClipStep
+from pairforge.pipeline.entry import RunOptions, summarise
 from pairforge.pipeline.plan import plan_shards, score_threshold
 from pairforge.pipeline.preflight import check_model_sources
 from pairforge.pipeline.progress import StageDisplay, say
@@ -91,14 +92,13 @@ def _learn_clip_threshold(cfg: PairforgeConfig, out: OutputDir,
     return resolved
 
 
-def run_process(cfg: PairforgeConfig, show_progress: bool = True,
-                force: bool = False) -> dict[str, Any]:
+def run_process(cfg: PairforgeConfig, run: RunOptions) -> dict[str, Any]:
     """Stage 3 over every complete raw shard that has no complete output shard made under
-    these settings (``force``: redo the shards made under others; else they stop it)."""
+    these settings (``run.force``: redo the shards made under others; else they stop it)."""
     check_model_sources(cfg)
-    check_settings(cfg, ("process",), force)
+    check_settings(cfg, ("process",), run)
     with run_log(cfg, "process") as log:
-        return {**_process(cfg, show_progress, log), "log": log}
+        return {**_process(cfg, run.show_progress, log), "log": log}
 
 
 def _step_line(step: type[Step], cfg: PairforgeConfig) -> str:
@@ -149,8 +149,6 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
     for folder in (SHARDS_FOLDER, SCORES_FOLDER, EMBEDDINGS_FOLDER):
         out.remove_temporaries(folder)
     seconds = time.time() - started
-    from pairforge.pipeline.runner import summarise
-
     manifest = build_manifest(out, cfg)
     manifest["log"] = log  # this run's log file, relative to OUT (each stage run has one)
     write_dataset_files(out, manifest)

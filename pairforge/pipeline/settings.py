@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError, PairforgeConfig
+from pairforge.pipeline.entry import RunOptions
 from pairforge.shards.raw import completed_shards, shard_name, stats_name
 from pairforge.shards.storage import (
     EMBEDDINGS_FOLDER,
@@ -213,19 +215,32 @@ def drop_stale_scores(out: OutputDir, cfg: PairforgeConfig, raw_digest: str | No
         out.remove(EMBEDDINGS_FOLDER, f"{name}_keys.json")
 
 
-def check_settings(cfg: PairforgeConfig, stages: tuple[str, ...], force: bool = False) -> None:
+def check_settings(cfg: PairforgeConfig, stages: tuple[str, ...],
+                   run: RunOptions) -> RunOptions:
     """Before any work: every complete shard the stages would skip was made under this
-    run's settings, or (``force``) it is marked incomplete and redone. All changes of all
-    stages are named in one message."""
+    run's settings, or (``run.force``) it is marked incomplete and redone. All changes of
+    all stages are named in one message. Stages this run has checked already
+    (``run.checked``) are not read again: returns ``run`` with these stages added, so a run
+    that checks every stage up front (``pairforge build``) checks each once."""
+    stages = tuple(s for s in stages if s not in run.checked)
+    if not stages:
+        return run
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     checks: list[Check] = []
     if "download" in stages:
         checks.append(("download", RAW_FOLDER, download_expected(out, cfg)))
+    raw_digest = None
     if "process" in stages:
-        raw_digest = (settings_digest(stage_settings(cfg, "download"))
-                      if "download" in stages else None)
-        done = completed_shards(out, SHARDS_FOLDER) & completed_shards(out, RAW_FOLDER)
+        done = completed_shards(out, SHARDS_FOLDER)
+        if "download" in stages:
+            # stage 1 runs first and remakes every raw shard it lacks under these settings:
+            # a training shard is checked against them even where its raw shard is missing
+            # now (a forced stage 1 stopped before redoing it), not skipped unchecked
+            raw_digest = settings_digest(stage_settings(cfg, "download"))
+        else:
+            done &= completed_shards(out, RAW_FOLDER)
         checks.append(("process", SHARDS_FOLDER, process_expected(out, cfg, done, raw_digest)))
-    check_rerun(out, checks, force)
+    check_rerun(out, checks, run.force)
     if "process" in stages:
         drop_stale_scores(out, cfg, raw_digest)
+    return replace(run, checked=run.checked | set(stages))

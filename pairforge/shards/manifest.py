@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from pairforge.config import PairforgeConfig
+from pairforge.config import ClassifierConfig, PairforgeConfig
 from pairforge.shards.features import hf_features
 from pairforge.shards.raw import shard_name, stats_name
 from pairforge.shards.storage import RAW_FOLDER, SHARDS_FOLDER, OutputDir
@@ -98,12 +98,13 @@ def _vocab(shards: list[dict[str, Any]]) -> dict[str, Any] | None:
     return json.loads(layout) if layout else None
 
 
-def _classifiers(cfg: PairforgeConfig, shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _classifiers(classifiers: list[ClassifierConfig], shards: list[dict[str, Any]]
+                 ) -> list[dict[str, Any]]:
     """Each classifier as configured (model or head file, label, bound, status) and the rows
     it scored and dropped over the shards on disk."""
     steps = _sum_steps(shards)
     found = []
-    for entry in cfg.process.classifiers:
+    for entry in classifiers:
         step = steps.get(f"classifier.{entry.name}", {})
         found.append({
             "name": entry.name, "score": f"{entry.name}_score", "backend": entry.backend,
@@ -133,7 +134,7 @@ def build_manifest(out: OutputDir, cfg: PairforgeConfig) -> dict[str, Any]:
                    "clip_threshold": shards[0].get("clip_threshold") if shards else None,
                    "recaption": (cfg.process.recaption.model
                                  if cfg.process.recaption.enabled else None)},
-        "classifiers": _classifiers(cfg, shards),
+        "classifiers": _classifiers(cfg.process.classifiers, shards),
         "recaption": _sum_recaption(shards),
         "steps": _sum_steps(shards),
         "budget": {
