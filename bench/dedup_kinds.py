@@ -297,6 +297,7 @@ def semantic_ray_part(n: int, seed: int, probes: int) -> None:
     import tempfile
 
     from pairforge.config import parse_config
+    from pairforge.filters.clip import ClipStep
     from pairforge.pipeline.ray_runtime import init_ray
     from pairforge.pipeline.semantic_stage import run_semantic_dedup
     from pairforge.shards.storage import OutputDir
@@ -319,7 +320,7 @@ def semantic_ray_part(n: int, seed: int, probes: int) -> None:
                             "process": {"clip": {"enabled": True, "mode": "score_only"}}})
         init_ray(cfg.ray)
         started = time.perf_counter()
-        stats = run_semantic_dedup(cfg, OutputDir(str(root)), steps=[])
+        stats = run_semantic_dedup(cfg, OutputDir(str(root)), steps=[ClipStep])
         took = time.perf_counter() - started
         print(f"semantic pass on Ray (2 CPUs), {n:,} x 512, {probes} probe(s): {took:.1f}s "
               f"(Ray start not counted); {stats}; peak RSS of the driver {_rss_gib():.1f} GiB")

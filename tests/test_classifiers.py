@@ -336,7 +336,8 @@ def test_the_second_pass_encodes_only_rows_the_scoring_pass_did_not(models, raw,
     pq.write_table(scored.select(["key", "clip_score"]), out / "clip" / "00000.parquet")
     write_embeddings(OutputDir(str(out)), 0, keys[1:], scored["clip_embedding"].to_pylist())
 
-    second = load_rows(pa.table({"shard": [0], "duplicates": [[]]}), str(out), {}, True)
+    second = load_rows(pa.table({"shard": [0], "duplicates": [[]]}), str(out), {},
+                       "clip_score", "clip_embedding")
     assert second["clip_embedding"].to_pylist()[1:] == scored["clip_embedding"].to_pylist()
     assert second["clip_embedding"][0].as_py() is None
     encoded = []

@@ -176,6 +176,7 @@ def write_scored_shards(out: Path, x: np.ndarray, keys: list[str], scores: list[
 
 def test_semantic_pass_on_ray_matches_the_algorithm_and_is_reused(tmp_path, ray_local):
     from pairforge.config import parse_config
+    from pairforge.filters.clip import ClipStep
     from pairforge.pipeline.plan import read_duplicates
     from pairforge.pipeline.semantic_stage import run_semantic_dedup
 
@@ -189,7 +190,7 @@ def test_semantic_pass_on_ray_matches_the_algorithm_and_is_reused(tmp_path, ray_
                         "dedup": {"enabled": False,
                                   "semantic": {"enabled": True, "rows_per_cluster": 200}},
                         "process": {"clip": {"enabled": True, "threshold": 0.2}}})
-    stats = run_semantic_dedup(cfg, _out(tmp_path), steps=[])
+    stats = run_semantic_dedup(cfg, _out(tmp_path), steps=[ClipStep])
     table = pq.read_table(tmp_path / "dedup" / "semantic.parquet")
     # only rows CLIP keeps take part: a survivor dropped for its score would take its copies
     keep = np.array(scores) >= 0.2
@@ -204,7 +205,7 @@ def test_semantic_pass_on_ray_matches_the_algorithm_and_is_reused(tmp_path, ray_
     assert {kind for d in planned.values() for kind, _ in d.values()} == {"duplicate_semantic"}
     # a finished pass is reused while its inputs are the same
     (tmp_path / "dedup" / "semantic.parquet").write_bytes(b"changed")
-    assert run_semantic_dedup(cfg, _out(tmp_path), steps=[]) == stats
+    assert run_semantic_dedup(cfg, _out(tmp_path), steps=[ClipStep]) == stats
 
 
 def _out(path: Path):
