@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -296,13 +296,17 @@ class ModelStep(Step):
         self.teardown()
 
 
+# Applies a function to the scores of groups of shards; yields its results.
+ScoreMap = Callable[[Callable[[np.ndarray], Any]], Iterable[Any]]
+
+
 class ScoringStep(Step):
     """A step that can score the whole stage in a pass of its own before the writing pass:
     the chain up to it runs under ``scoring_config`` over every shard, and its
     ``score_column`` (a score file per shard) and ``embedding_column`` (OUT/embeddings) are
     kept. The writing pass reads them back into its rows, and the step skips the rows that
-    come scored. A threshold learned from the scores (``needs_scoring_pass``) is a
-    mergeable state: ``pass_state`` per shard, ``merge``, then ``finish``."""
+    come scored. A threshold learned from the scores (``needs_scoring_pass``) comes from
+    ``learn``, which sees the scores only through functions run next to the score files."""
 
     score_column: ClassVar[str]
     embedding_column: ClassVar[str | None] = None
@@ -319,18 +323,13 @@ class ScoringStep(Step):
         raise NotImplementedError
 
     @classmethod
-    def pass_state(cls, cfg: PairforgeConfig, scores: pa.Table) -> Any:
-        """One shard's part of what the step learns (``scores``: its score file)."""
-        raise NotImplementedError
-
-    @classmethod
-    def merge(cls, states: list[Any]) -> Any:
-        raise NotImplementedError
-
-    @classmethod
-    def finish(cls, cfg: PairforgeConfig, state: Any) -> tuple[PairforgeConfig, dict[str, Any]]:
-        """The config the writing pass runs under, with what was learned, and the stats
-        entries that record it."""
+    def learn(cls, cfg: PairforgeConfig, over_scores: ScoreMap
+              ) -> tuple[PairforgeConfig, dict[str, Any]]:
+        """What the step learns from every shard's scores: the config the writing pass runs
+        under and the stats entries that record it. ``over_scores(fn)`` applies ``fn`` to
+        the non-null scores of groups of shards, wherever the files are (in tasks), and
+        yields the results in any order; ``fn``'s results must add up across groups, so the
+        driver holds only what the step keeps of them (e.g. histograms), never the scores."""
         raise NotImplementedError
 
     @classmethod

@@ -158,7 +158,7 @@ def test_every_process_section_is_recorded_by_the_stage_or_a_step():
 
 # -- the scoring pass ----------------------------------------------------------------------
 
-def test_the_top_fraction_threshold_merges_per_shard_states_in_any_order():
+def test_the_top_fraction_threshold_is_learned_from_shards_in_any_order():
     from pairforge.config import parse_config
     from pairforge.filters.clip import ClipStep
 
@@ -166,17 +166,19 @@ def test_the_top_fraction_threshold_merges_per_shard_states_in_any_order():
         "clip": {"enabled": True, "mode": "top_fraction", "top_fraction": 0.25}}})
     assert ClipStep.needs_scoring_pass(cfg)
     scores = np.random.default_rng(0).uniform(0, 1, 40).astype(np.float32)
-    shards = [pa.table({"clip_score": pa.array([*part.tolist(), None], pa.float32())})
-              for part in np.array_split(scores, 4)]
-    states = [ClipStep.pass_state(cfg, shard) for shard in shards]
-    resolved, stats = ClipStep.finish(cfg, ClipStep.merge(states))
-    again, _ = ClipStep.finish(cfg, ClipStep.merge(states[::-1]))
+    shards = np.array_split(scores, 4)
+
+    def over(parts):  # noqa: ANN001, ANN202 - the driver's map, here in one process
+        return lambda fn: (fn(p) for p in parts)
+
+    resolved, stats = ClipStep.learn(cfg, over(shards))
+    again, _ = ClipStep.learn(cfg, over(shards[::-1]))
     expected = float(np.sort(scores)[::-1][9])  # the 10th highest of 40 keeps 25%
     assert resolved.process.clip.threshold == again.process.clip.threshold == expected
     assert resolved.process.clip.mode == "threshold" and cfg.process.clip.mode == "top_fraction"
     assert stats == {"clip_threshold": expected, "clip_top_fraction": 0.25}
     assert ClipStep.score_cut(resolved) == expected and ClipStep.score_cut(cfg) is None
-    empty, _ = ClipStep.finish(cfg, ClipStep.merge([]))
+    empty, _ = ClipStep.learn(cfg, over([]))
     assert empty.process.clip.threshold == float("-inf")
 
 

@@ -15,12 +15,14 @@ import pyarrow as pa
 from PIL import Image
 
 from pairforge.config import ClipConfig, ModelPoolConfig, PairforgeConfig
+from pairforge.filters.selection import kth_largest
 from pairforge.images import decode_rgb, model_device
 from pairforge.records import Status, process_columns
 from pairforge.stage import (
     ModelStep,
     OpenClipModel,
     Requirements,
+    ScoreMap,
     ScoringStep,
     StepResult,
     setting_values,
@@ -95,15 +97,6 @@ def read_by_heads(cfg: PairforgeConfig) -> bool:
     return any(c.backend == "clip-head" for c in cfg.process.classifiers)
 
 
-def top_fraction_threshold(scores: np.ndarray, top_fraction: float) -> float:
-    """The score that keeps ``top_fraction`` of all scored rows (DataComp's top 30%)."""
-    if not len(scores):
-        return float("-inf")
-    # Keep the k highest scores; ties at the boundary are all kept.
-    k = max(1, int(round(top_fraction * len(scores))))
-    return float(np.sort(scores)[::-1][k - 1])
-
-
 def _cached(rows: pa.Table, column: str) -> list:
     """A column the scoring pass cached (pipeline/stream.load_rows), else all None."""
     return rows[column].to_pylist() if column in rows.column_names else [None] * rows.num_rows
@@ -173,20 +166,14 @@ class ClipStep(ScoringStep, ModelStep):
         return scoring
 
     @classmethod
-    def pass_state(cls, cfg: PairforgeConfig, scores: pa.Table) -> np.ndarray:
-        return scores[cls.score_column].drop_null().to_numpy()
-
-    @classmethod
-    def merge(cls, states: list[np.ndarray]) -> np.ndarray:
-        return np.concatenate(states) if states else np.array([], np.float32)
-
-    @classmethod
-    def finish(cls, cfg: PairforgeConfig, state: np.ndarray
-               ) -> tuple[PairforgeConfig, dict[str, Any]]:
+    def learn(cls, cfg: PairforgeConfig, over_scores: ScoreMap
+              ) -> tuple[PairforgeConfig, dict[str, Any]]:
+        """``top_fraction`` mode: the threshold is the k-th largest score of the stage,
+        selected exactly in two passes of histograms (filters/selection.py)."""
         top_fraction = cfg.process.clip.top_fraction
         resolved = cfg.model_copy(deep=True)
         resolved.process.clip.mode = "threshold"
-        resolved.process.clip.threshold = top_fraction_threshold(state, top_fraction)
+        resolved.process.clip.threshold = kth_largest(over_scores, top_fraction)
         return resolved, {"clip_threshold": resolved.process.clip.threshold,
                           "clip_top_fraction": top_fraction}
 

@@ -28,7 +28,7 @@ from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.pipeline.runlog import log_shard, run_log
 from pairforge.pipeline.semantic_stage import run_semantic_dedup
 from pairforge.pipeline.settings import check_settings
-from pairforge.pipeline.stream import read_scores, scored_shards, stream_shards
+from pairforge.pipeline.stream import map_scores, stream_shards
 from pairforge.pipeline.write import write_scores_task, write_shard_task
 from pairforge.shards.manifest import build_manifest, write_dataset_files
 from pairforge.shards.raw import completed_shards, stats_name
@@ -50,9 +50,8 @@ def _learn_from_scores(cfg: PairforgeConfig, out: OutputDir, steps: list[type[St
     stream_shards(scorer.scoring_config(cfg, for_embeddings=False), out,
                   plan_shards(out, cfg, SCORES_FOLDER), steps[:steps.index(scorer) + 1],
                   write_scores_task, {}, None)
-    states = [scorer.pass_state(cfg, read_scores(out, shard_id, [scorer.score_column]))
-              for shard_id in scored_shards(out)]
-    return scorer.finish(cfg, scorer.merge(states))
+    return scorer.learn(cfg, map_scores(out, cfg.output.storage_options, scorer.score_column,
+                                        cfg.ray.max_task_retries))
 
 
 def _writer_drops(cfg: PairforgeConfig, steps: list[type[Step]]) -> tuple[str, ...]:

@@ -11,9 +11,10 @@ the scoring step's cached columns (pairforge/stage.py's ``ScoringStep``).
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -27,7 +28,7 @@ from pairforge.records import STEP_INPUT_COLUMNS, Status
 from pairforge.shards.raw import shard_name
 from pairforge.shards.storage import RAW_FOLDER, SCORES_FOLDER, OutputDir
 from pairforge.shards.training import read_embeddings, read_raw_images
-from pairforge.stage import SECONDS_PREFIX, Step, scoring_step
+from pairforge.stage import SECONDS_PREFIX, ScoreMap, Step, scoring_step
 
 # (config, plan, the steps' results for the shard, stats for every shard, the step chain)
 Writer = Callable[[PairforgeConfig, ShardPlan, pa.Table, dict[str, Any], list[type[Step]]],
@@ -42,6 +43,44 @@ def read_raw(out: OutputDir, shard_id: int, columns: list[str] | None = None) ->
 def scored_shards(out: OutputDir) -> list[int]:
     """The shards a scoring pass has scored: those with a score file."""
     return sorted(int(name.split(".")[0]) for name in out.glob(f"{SCORES_FOLDER}/*.parquet"))
+
+
+# Shards per task of a map over score files: a few MB of scores, one task's start-up.
+_SHARDS_PER_SCORE_TASK = 16
+
+
+def _apply_to_scores(out_url: str, storage_options: dict, shard_ids: list[int], column: str,
+                     fn: Callable[[np.ndarray], Any]) -> Any:
+    out = OutputDir(out_url, storage_options)
+    parts = [read_scores(out, s, [column]) for s in shard_ids]
+    values = [p[column].drop_null().to_numpy() for p in parts if p is not None]
+    return fn(np.concatenate(values) if values else np.zeros(0, np.float32))
+
+
+def map_scores(out: OutputDir, storage_options: dict, column: str, retries: int) -> ScoreMap:
+    """``over_scores`` for a scoring step's ``learn``: ``fn`` runs in Ray tasks over groups
+    of score files, at most two tasks per CPU in flight, and its results are yielded as
+    the tasks finish, so the driver never holds the scores."""
+
+    def run(fn: Callable[[np.ndarray], Any]) -> Iterator[Any]:
+        import ray
+
+        task = ray.remote(num_cpus=1, max_retries=retries)(_apply_to_scores)
+        ids = scored_shards(out)
+        groups = [ids[i:i + _SHARDS_PER_SCORE_TASK]
+                  for i in range(0, len(ids), _SHARDS_PER_SCORE_TASK)]
+        limit = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+        pending: list[Any] = []
+        for group in groups:
+            if len(pending) >= limit:
+                done, pending = ray.wait(pending, num_returns=1)
+                yield ray.get(done[0])
+            pending.append(task.remote(out.url, storage_options, group, column, fn))
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            yield ray.get(done[0])
+
+    return run
 
 
 def read_scores(out: OutputDir, shard_id: int, columns: list[str]) -> pa.Table | None:
