@@ -3,7 +3,7 @@ use switched off (``PAIRFORGE_RAY_PRIVATE_OFF``) next to runs with all of them o
 
     python bench/ray_private.py start --repeats 8    # a driver: init_ray, 2 tasks, shutdown
     python bench/ray_private.py stage1 --repeats 3   # pairforge download, 10^4 rows, nginx
-    python bench/ray_private.py tests --repeats 2 --uses all tests/test_download_stage.py
+    python bench/ray_private.py tests --uses all -m "not slow" tests/test_process_stage.py
 
 Each repeat runs, for every use in turn (the order rotated per repeat), a run with all uses
 on and a run with that use off, adjacent, which first alternating per repeat; a use's gain
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -35,8 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pairforge.pipeline.ray_private import OFF_ENV, USES  # noqa: E402
 
-# A driver's whole life with Ray: start, two one-CPU tasks (the download stage's two
-# slots), leave. Prints the seconds to the first result.
+# A driver's whole life with Ray as stage 1 lives it: start, a zero-CPU actor (the
+# progress counter), two one-CPU tasks (the download slots), leave. Prints the seconds
+# to the first results.
 DRIVER = """\
 import time
 t0 = time.monotonic()
@@ -44,8 +46,9 @@ import ray
 from pairforge.config import RayConfig
 from pairforge.pipeline.ray_runtime import init_ray, shutdown_ray
 init_ray(RayConfig(num_cpus=2))
-f = ray.remote(num_cpus=1)(lambda: 1)
-ray.get([f.remote() for _ in range(2)])
+counter = ray.remote(num_cpus=0)(type("Counter", (), {"add": lambda self: 1})).remote()
+f = ray.remote(num_cpus=1)(lambda c: ray.get(c.add.remote()))
+ray.get([f.remote(counter) for _ in range(2)])
 print(round(time.monotonic() - t0, 3))
 shutdown_ray()
 """
@@ -115,8 +118,10 @@ def bench_stage1(args: argparse.Namespace) -> None:
 
 
 def bench_tests(args: argparse.Namespace) -> None:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-           *args.files]
+    pytest = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+              *(["-m", args.marker] if args.marker else []), *args.files]
+    # a test of a switched-off use fails (that is its job); the time still counts
+    cmd = ["sh", "-c", shlex.join(pytest) + " || true"]
     compare(args.uses, args.repeats, lambda off: measure(cmd, off, ROOT))
 
 
@@ -130,7 +135,8 @@ def main() -> None:
                         help="the uses to switch off in turn (comma-separated; all: every one)")
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--photos", default="web")
-    args = parser.parse_args()
+    parser.add_argument("-m", dest="marker", help="tests: pytest's -m, e.g. 'not slow'")
+    args = parser.parse_intermixed_args()
     args.uses = args.uses.split(",")
     print(f"{time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.1f}", flush=True)

@@ -2,7 +2,7 @@
 
 Each use is named, says what it buys (measured: bench/RESULTS.md, "Private Ray APIs";
 docs/ARCHITECTURE.md lists them) and falls back to Ray's normal behaviour when the installed
-Ray no longer has what it relies on: ``problems()`` says which uses no longer apply, and
+Ray no longer has what it relies on: ``problem(use)`` says what no longer applies, and
 tests/test_ray_private.py fails on each, by name, when the pinned Ray changes. A use can be
 switched off for a run (a Ray upgrade that breaks one, or a measurement):
 ``PAIRFORGE_RAY_PRIVATE_OFF=dashboard,node_poll`` (``all`` for every one).
@@ -214,8 +214,12 @@ def _cut_blocks_problem() -> str | None:
         from ray.data._internal.logical.operators import StreamingRepartition
     except ImportError as error:
         return f"ray.data's StreamingRepartition: {error}"
-    if "ray_remote_args" not in {field.name for field in dataclasses.fields(StreamingRepartition)}:
-        return "StreamingRepartition has no ray_remote_args"
+    try:
+        fields = {field.name for field in dataclasses.fields(StreamingRepartition)}
+    except TypeError:  # no longer a dataclass
+        fields = set()
+    if "ray_remote_args" not in fields:
+        return "StreamingRepartition has no ray_remote_args field"
     return None
 
 
