@@ -38,6 +38,12 @@ hashes of a bucket packed too densely for the phash to tell its images apart
 Clusters are the connected components of all links; in each, the survivor is decided by
 :func:`survivor_order`, which depends on row contents only, never on input order or on
 how the work was split.
+
+Stage 2 runs these decisions as partition tasks (``filters/dedup_parts.py``): the band
+join (:func:`_combo_pairs_local`), the evidence (:func:`duplicates_table`) and the
+survivor rule run inside its tasks. :func:`find_duplicates` makes the same decisions in
+one process over tables in memory: the reference that the tests compare the stage with
+(and what the kinds benches measure), not a code path of the pipeline.
 """
 
 from __future__ import annotations
@@ -762,7 +768,8 @@ def _stats(duplicates: pa.Table, from_index: np.ndarray, labels: np.ndarray,
 
 def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = None,
                     mapper: CombosMapper | None = None) -> DedupResult:
-    """Decide which of ``rows`` (ROWS_SCHEMA, ok rows) are duplicates.
+    """Decide which of ``rows`` (ROWS_SCHEMA, ok rows) are duplicates, in this process:
+    the single-process reference of stage 2 (see the module docstring).
 
     ``index`` (INDEX_SCHEMA) holds rows of earlier builds: they take part in every join
     and always survive, so a new row that matches one is dropped in its favour. Hashes

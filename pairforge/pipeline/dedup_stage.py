@@ -95,6 +95,7 @@ class _Tasks:
     def __init__(self, retries: int):
         self.retries = retries
         self.remotes: dict[str, Any] = {}
+        self.seconds: Counter[str] = Counter()  # per phase, for the stats
 
     def run(self, fn: Callable[..., Any], calls: list[tuple], cpus: float = _TASK_CPUS,
             name: str | None = None) -> list[Any]:
@@ -105,7 +106,10 @@ class _Tasks:
             self.remotes[name] = ray.remote(num_cpus=cpus, max_retries=self.retries)(
                 fn).options(name=name)
         remote = self.remotes[name]
-        return ray.get([remote.remote(*args) for args in calls])
+        started = time.perf_counter()
+        results = ray.get([remote.remote(*args) for args in calls])
+        self.seconds[name] += time.perf_counter() - started
+        return results
 
 
 def _cluster_cpus() -> int:
@@ -390,7 +394,8 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
         "index_written": cfg.write_index,
         "inputs_digest": digest,
         "seconds": {"read": round(read_s, 3), "decide": round(decide_s, 3),
-                    "total": round(time.perf_counter() - started, 3)},
+                    "total": round(time.perf_counter() - started, 3),
+                    "phases": {k: round(v, 3) for k, v in tasks.seconds.items()}},
     }
     # Written last: the stats file is the completion marker.
     _write_atomic(fs, stats_path, json.dumps(stats, indent=2).encode())
