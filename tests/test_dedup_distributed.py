@@ -260,7 +260,7 @@ def test_a_worker_killed_mid_stage_and_a_killed_driver_change_nothing(tmp_path):
         deadline = time.monotonic() + 300
         while not killed and driver.poll() is None and time.monotonic() < deadline:
             killed = _kill_worker(cluster, "ray::band_join")
-            time.sleep(0.05)
+            time.sleep(0.01)
         stdout, stderr = driver.communicate(timeout=600)
         assert killed and driver.returncode == 0, stderr[-3000:]
         stats = json.loads(stdout.strip().splitlines()[-1])
