@@ -1,7 +1,10 @@
 """Near-duplicate search of stage 2: time, growth with size, and recall of planted pairs.
 
-    python bench/dedup.py [--sizes 10000 100000 1000000] [--workers 1] [--ray]
+    python bench/dedup.py [--sizes 10000 100000 1000000] [--workers 1]
     python bench/dedup.py --parts kinds cost join semantic      (issue 19, see below)
+
+Stage 2 itself as Ray partition tasks, its driver's memory and its growth to 10^7 rows:
+``bench/scale.py --stages dedup`` (issue 34).
 
 Parts (``--parts``, default ``band``):
 
@@ -31,8 +34,7 @@ with the top bit set (as in every real phash: the DC coefficient is the largest)
 Reported: seconds of ``near_pairs`` per size, the growth exponent (slope of log time on
 log size), the speedup over all-pairs comparison on the smallest size (which also checks
 that both find the same number of pairs), and whether every planted pair within the
-distance was found. ``--ray`` also times the Ray version (one task per band combination)
-on a local Ray instance with ``--workers`` CPUs, not counting Ray's start.
+distance was found.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageEnhance, ImageOps
 
-from pairforge.config import DedupConfig, RayConfig
+from pairforge.config import DedupConfig
 from pairforge.filters.dedup import (
     HASH_BITS,
     local_mapper,
@@ -162,7 +164,6 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="threads (or Ray CPUs)")
     parser.add_argument("--families", type=int, default=30, help="COCO photos varied")
     parser.add_argument("--generated", type=int, default=500, help="generated images")
-    parser.add_argument("--ray", action="store_true", help="also time the Ray version")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", nargs="+", default=["band"],
                         choices=["band", "kinds", "cost", "join", "semantic", "semantic-ray"])
@@ -183,14 +184,6 @@ def main() -> None:
     base = np.concatenate([base, generated_hashes(args.generated, rng)])
     print(f"hashed {len(base)} images and {len(real_pairs)} COCO variants in "
           f"{time.perf_counter() - started:.1f}s; max_distance {t}, {args.workers} workers")
-    ray_mapper = None
-    if args.ray:
-        from pairforge.pipeline.dedup_stage import ray_mapper as make_ray_mapper
-        from pairforge.pipeline.ray_runtime import init_ray
-
-        init_ray(RayConfig(num_cpus=args.workers))
-        ray_mapper = make_ray_mapper(0)
-
     rows, sizes, seconds = [], [], []
     for n in sorted(args.sizes):
         values, planted = build_set(n, base, real_pairs, t, rng)
@@ -199,9 +192,6 @@ def main() -> None:
         missed = found_all(values, pairs, planted)
         row = {"n": len(values), "seconds": took, "pairs": len(pairs), "planted": len(planted),
                "missed": missed, "plan": plan_bands(len(values), HASH_BITS, t).describe()}
-        if ray_mapper is not None:
-            row["ray_seconds"], ray_pairs = time_search(values, t, ray_mapper, 1)
-            assert np.array_equal(ray_pairs, pairs), "Ray and local results differ"
         if n == min(args.sizes):
             begun = time.perf_counter()
             reference = all_pairs_count(values, t)
@@ -213,13 +203,11 @@ def main() -> None:
         print(f"  n={len(values):>9,}  {took:8.3f}s  pairs {len(pairs):>7,}  "
               f"planted {len(planted):>6,} missed {missed}  ({row['plan']})", flush=True)
 
-    print("\n| hashes | seconds | pairs found | planted pairs | missed | band plan |"
-          + (" Ray seconds |" if args.ray else ""))
-    print("|---:|---:|---:|---:|---:|---|" + ("---:|" if args.ray else ""))
+    print("\n| hashes | seconds | pairs found | planted pairs | missed | band plan |")
+    print("|---:|---:|---:|---:|---:|---|")
     for r in rows:
-        extra = f" {r['ray_seconds']:.3f} |" if args.ray else ""
         print(f"| {r['n']:,} | {r['seconds']:.3f} | {r['pairs']:,} | {r['planted']:,} | "
-              f"{r['missed']} | {r['plan']} |{extra}")
+              f"{r['missed']} | {r['plan']} |")
     if len(sizes) > 1:
         pairwise = [math.log(seconds[i + 1] / seconds[i]) / math.log(sizes[i + 1] / sizes[i])
                     for i in range(len(sizes) - 1)]

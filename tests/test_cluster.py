@@ -186,8 +186,8 @@ def test_build_reads_and_writes_s3(s3_server, s3_cluster_build, monkeypatch):
         for folder in ("raw", "shards"):
             assert {f"{folder}/{i:05d}.tar", f"{folder}/{i:05d}.parquet",
                     f"{folder}/{i:05d}_stats.json"} <= keys
-    assert {"dedup/duplicates.parquet", "dedup/index.parquet", "dedup/dedup_stats.json",
-            "manifest.json", "sizes.json", "index.wids.json"} <= keys
+    assert {"dedup/duplicates.parquet", "dedup/index.parquet/part-0.parquet",
+            "dedup/dedup_stats.json", "manifest.json", "sizes.json", "index.wids.json"} <= keys
     assert not [k for k in keys if ".tmp-" in k]
     assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
 

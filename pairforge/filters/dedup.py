@@ -38,6 +38,12 @@ hashes of a bucket packed too densely for the phash to tell its images apart
 Clusters are the connected components of all links; in each, the survivor is decided by
 :func:`survivor_order`, which depends on row contents only, never on input order or on
 how the work was split.
+
+Stage 2 runs these decisions as partition tasks (``filters/dedup_parts.py``): the band
+join (:func:`_combo_pairs_local`), the evidence (:func:`duplicates_table`) and the
+survivor rule run inside its tasks. :func:`find_duplicates` makes the same decisions in
+one process over tables in memory: the reference that the tests compare the stage with
+(and what the kinds benches measure), not a code path of the pipeline.
 """
 
 from __future__ import annotations
@@ -502,7 +508,7 @@ def _u64(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return values, valid
 
 
-def _points(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+def points_of(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """(rows, K) matrix of every row's hashes and their validity: whole image, mirror, then
     the region hashes (K - 2 of them: the longest crop_phashes list present)."""
     whole, whole_ok = _u64(table["phash"])
@@ -567,7 +573,7 @@ class _Graph:
         return labels[:self.rows]
 
 
-def _exact_codes(exact: pa.ChunkedArray) -> np.ndarray:
+def exact_codes(exact: pa.ChunkedArray) -> np.ndarray:
     encoded = pc.dictionary_encode(exact.combine_chunks())
     return pc.fill_null(encoded.indices, _NO_CODE).to_numpy(zero_copy_only=False
                                                             ).astype(np.int64)
@@ -665,7 +671,7 @@ def _chained_kinds(rows: np.ndarray, labels: np.ndarray, points: np.ndarray,
     return kinds.astype(str)
 
 
-def _duplicates_table(table: pa.Table, dropped: np.ndarray, kept: np.ndarray,
+def duplicates_table(table: pa.Table, dropped: np.ndarray, kept: np.ndarray,
                       exact_losers: np.ndarray, points: np.ndarray, valid: np.ndarray,
                       labels: np.ndarray, max_distance: int) -> pa.Table:
     """One row per dropped sample, sorted by key.
@@ -696,13 +702,13 @@ def _duplicates_table(table: pa.Table, dropped: np.ndarray, kept: np.ndarray,
     return out.take(pc.sort_indices(out, sort_keys=[("key", "ascending")]))
 
 
-def _rank(table: pa.Table, from_index: np.ndarray) -> np.ndarray:
+def survivor_rank(table: pa.Table, from_index: np.ndarray) -> np.ndarray:
     width = pc.fill_null(table["original_width"], 0).to_numpy().astype(np.int64)
     height = pc.fill_null(table["original_height"], 0).to_numpy().astype(np.int64)
     return survivor_order(table["key"], table["source"], from_index, width * height)
 
 
-def _best_of_groups(groups: np.ndarray, rank: np.ndarray) -> np.ndarray:
+def best_of_groups(groups: np.ndarray, rank: np.ndarray) -> np.ndarray:
     """Row with the lowest rank in each row's group (groups: non-negative labels)."""
     best = np.full(groups.max(initial=-1) + 1, len(rank), dtype=np.int64)
     np.minimum.at(best, groups, rank)
@@ -713,10 +719,10 @@ def _exact_losers(exact_codes: np.ndarray, rank: np.ndarray) -> np.ndarray:
     """Rows pixel-identical to a better-ranked row: what exact dedup alone would drop."""
     losers = np.zeros(len(rank), dtype=bool)
     rows = np.flatnonzero(exact_codes >= 0)
-    # _best_of_groups answers in positions among the rows it gets, from ranks 0..n-1 of
+    # best_of_groups answers in positions among the rows it gets, from ranks 0..n-1 of
     # those rows (index rows without a pixel hash have no code)
     ranks = np.argsort(np.argsort(rank[rows]))
-    losers[rows] = _best_of_groups(exact_codes[rows], ranks) != np.arange(len(rows))
+    losers[rows] = best_of_groups(exact_codes[rows], ranks) != np.arange(len(rows))
     return losers
 
 
@@ -750,7 +756,8 @@ def _stats(duplicates: pa.Table, from_index: np.ndarray, labels: np.ndarray,
 
 def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = None,
                     mapper: CombosMapper | None = None) -> DedupResult:
-    """Decide which of ``rows`` (ROWS_SCHEMA, ok rows) are duplicates.
+    """Decide which of ``rows`` (ROWS_SCHEMA, ok rows) are duplicates, in this process:
+    the single-process reference of stage 2 (see the module docstring).
 
     ``index`` (INDEX_SCHEMA) holds rows of earlier builds: they take part in every join
     and always survive, so a new row that matches one is dropped in its favour. Hashes
@@ -760,18 +767,18 @@ def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = 
     """
     _check_unique_keys(rows["key"])
     table, from_index = _combined(rows, index)
-    points, valid = _points(table)
+    points, valid = points_of(table)
     values, node = _hash_nodes(points, valid & ~is_degenerate(points))
     near = near_pairs(values, max_distance, mapper)
     node[np.isin(node, near.dense)] = -1  # dense hashes leave the perceptual join too
     uninformative = valid[:, _WHOLE] & (node[:, _WHOLE] < 0)
-    graph = _Graph(len(table), _exact_codes(table["exact"]), values, node, near.pairs)
+    graph = _Graph(len(table), exact_codes(table["exact"]), values, node, near.pairs)
     labels = graph.components()
-    rank = _rank(table, from_index)
-    kept = _best_of_groups(labels, rank)
+    rank = survivor_rank(table, from_index)
+    kept = best_of_groups(labels, rank)
     dropped = (kept != np.arange(len(table))) & ~from_index
     exact = _exact_losers(graph.exact_codes, rank)
-    duplicates = _duplicates_table(table, dropped, kept, exact, points, valid, labels,
+    duplicates = duplicates_table(table, dropped, kept, exact, points, valid, labels,
                                    max_distance)
     stats = _stats(duplicates, from_index, labels, dropped, uninformative, valid[:, _WHOLE],
                    near, len(values), max_distance)
@@ -798,7 +805,7 @@ def next_index(rows: pa.Table, duplicates: pa.Table, source: str,
     }, schema=INDEX_SCHEMA)
     parts = [] if previous is None else [as_index(previous)]
     merged = pa.concat_tables([*parts, new]).combine_chunks()
-    return _drop_repeated_rows(merged)
+    return drop_repeated_rows(merged)
 
 
 def pixel_hash_matches(schema: pa.Schema) -> bool:
@@ -814,7 +821,7 @@ def as_index(table: pa.Table) -> pa.Table:
                     schema=INDEX_SCHEMA)
 
 
-def _drop_repeated_rows(index: pa.Table) -> pa.Table:
+def drop_repeated_rows(index: pa.Table) -> pa.Table:
     order = pc.sort_indices(index, sort_keys=[("source", "ascending"), ("key", "ascending")])
     ordered = index.take(order)
     if len(ordered) < 2:

@@ -1,12 +1,17 @@
-"""Stage 2 on Ray: read the hash columns of the raw shards, decide duplicates, write them.
+"""Stage 2 on Ray: the duplicate decisions of ``filters/dedup.py`` as partition tasks.
 
-Only ``records.HASH_COLUMNS`` are read (never the images), one Ray task per parquet file.
-The band join runs as one Ray task per band combination (their results are disjoint);
-components and survivors are decided on the driver, whose memory grows with the number
-of hashes only. Outputs, under ``out_dir``:
+Only ``records.HASH_COLUMNS`` are read (never the images). The phases are the functions
+of ``filters/dedup_parts.py``, each a wave of Ray tasks that read and write partitioned
+files under ``out_dir/work/`` (removed when the stage is done, wiped when a run starts);
+the driver only plans the partitions and adds up the counts the tasks return, so its
+memory does not grow with the number of rows. A task lost with its worker or node is
+retried by Ray and writes the same files again; a rerun starts the work over and writes
+the same output. Outputs, under ``out_dir``:
 
 * ``duplicates.parquet``  key, kind, cluster_id, kept_key, kept_source, distance
-* ``index.parquet``       (``dedup.write_index``) earlier index rows + this build's survivors
+* ``index.parquet/``      (``dedup.write_index``) earlier index rows + this build's
+  survivors, as parts ``part-PREFIX.parquet`` by a hash prefix of each row's source
+  and key
 * ``dedup_stats.json``    written last: its presence marks the stage complete
 """
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import posixpath
 import time
 from collections import Counter
@@ -21,88 +27,53 @@ from collections.abc import Callable
 from typing import Any
 
 import fsspec
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairforge.config import DedupConfig, PairforgeConfig, RayConfig
-from pairforge.filters.dedup import (
-    DUPLICATES_SCHEMA,
-    INDEX_SCHEMA,
-    ROWS_SCHEMA,
-    BandPlan,
-    NearPairs,
-    as_index,
-    combo_pairs,
-    find_duplicates,
-    next_index,
-    pixel_hash_matches,
-    prepare_rows,
-)
+from pairforge.filters import dedup_parts as parts
+from pairforge.filters.dedup import DUPLICATES_SCHEMA, HASH_BITS, HASH_KINDS, plan_bands
+from pairforge.filters.dedup_parts import InputFile, Work
 from pairforge.pipeline.entry import RunOptions
 from pairforge.pipeline.ray_runtime import init_ray
-from pairforge.records import HASH_COLUMNS
 from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir, atomic_writer
 
 DUPLICATES_FILE = "duplicates.parquet"
 STATS_FILE = "dedup_stats.json"
-INDEX_FILE = "index.parquet"
+INDEX_FILE = "index.parquet"  # a folder of parts
+WORK_FOLDER = "work"
 
-# A band-combination task is pure numpy on one core; reading a parquet is mostly I/O.
-# Neither waits on other tasks, so these cannot deadlock even a 1-CPU Ray instance.
-_JOIN_CPUS = 1
+# Partition sizes. Each partition task holds about this many rows (or 6x as many hash
+# values: whole, mirror and four regions per row); small runs still get a few partitions
+# per CPU so that both cores work.
+ROWS_PER_PART = 1_000_000
+ROWS_PER_SCATTER = 1_000_000  # rows a reading task takes from consecutive input files
+VALUES_PER_BAND_TASK = 4_000_000
+INDEX_ROWS_PER_PART = 1_000_000
+
+# Reading is mostly I/O; every other task is numpy on one core. No task waits on another,
+# so these cannot deadlock even a 1-CPU Ray instance.
 _READ_CPUS = 0.5
-
-
-def read_hash_columns(url: str, storage_options: dict[str, Any]
-                      ) -> tuple[pa.Table, dict[str, int]]:
-    """The ok rows of one raw shard parquet (ROWS_SCHEMA) and its rows per status."""
-    fs, path = fsspec.core.url_to_fs(url, **storage_options)
-    with fs.open(path, "rb") as handle:
-        table = pq.read_table(handle, columns=_present(_schema(handle), HASH_COLUMNS))
-    counts = {row["values"]: row["counts"] for row in
-              pc.value_counts(table["status"]).to_pylist()}
-    return prepare_rows(table), counts
-
-
-def read_index(url: str, storage_options: dict[str, Any]) -> pa.Table:
-    """One dedup index file of an earlier build (INDEX_SCHEMA); pixel hashes made by
-    another function are left out (null), so they neither match nor pass into the index
-    this build writes."""
-    fs, path = fsspec.core.url_to_fs(url, **storage_options)
-    with fs.open(path, "rb") as handle:
-        schema = _schema(handle)
-        columns = _present(schema, INDEX_SCHEMA.names)
-        if not pixel_hash_matches(schema):
-            columns = [c for c in columns if c != "pixel_hash"]
-        table = pq.read_table(handle, columns=columns)
-    return as_index(table)
-
-
-def _schema(handle: Any) -> pa.Schema:
-    """A parquet file's schema, the handle left at the start for reading the table."""
-    schema = pq.read_schema(handle)
-    handle.seek(0)
-    return schema
-
-
-def _present(schema: pa.Schema, wanted: list[str]) -> list[str]:
-    """The wanted columns a parquet file has: files of older versions lack the mirror and
-    region hashes (their rows then join on the whole-image hash only)."""
-    return [c for c in wanted if c in schema.names]
+_TASK_CPUS = 1
 
 
 def _expand(fs: fsspec.AbstractFileSystem, pattern: str) -> list[str]:
-    """URLs of the files a path or glob names, sorted so runs see them in one order."""
+    """URLs of the files a path or glob names (a folder: its parquet files), sorted so
+    runs see them in one order."""
     paths = fs.glob(pattern) if any(c in pattern for c in "*?[") else [pattern]
-    return sorted(fs.unstrip_protocol(p) for p in paths)
+    found = []
+    for path in sorted(paths):
+        if fs.isdir(path):
+            found += sorted(p for p in fs.glob(posixpath.join(path, "*.parquet")))
+        else:
+            found.append(path)
+    return [fs.unstrip_protocol(p) for p in found]
 
 
 def _raw_files(raw_dir: str, storage_options: dict[str, Any]) -> list[str]:
     fs, root = fsspec.core.url_to_fs(raw_dir, **storage_options)
     fs.invalidate_cache()  # object stores: the shards were written by other processes
-    files = _expand(fs, posixpath.join(root, "*.parquet"))
+    files = sorted(fs.unstrip_protocol(p) for p in fs.glob(posixpath.join(root, "*.parquet")))
     if not files:
         raise FileNotFoundError(f"no raw shard parquet files in {raw_dir}")
     return files
@@ -119,40 +90,59 @@ def _index_files(patterns: list[str], storage_options: dict[str, Any]) -> list[s
     return files
 
 
-def _ray_get(refs: list[Any]) -> list[Any]:
-    import ray
+class _Tasks:
+    """Waves of Ray tasks; only their small results come back to the driver."""
 
-    return ray.get(refs)
+    def __init__(self, retries: int):
+        self.retries = retries
+        self.remotes: dict[str, Any] = {}
+        self.seconds: Counter[str] = Counter()  # per phase, for the stats
 
-
-def _read_all(files: list[str], indexes: list[str], storage_options: dict[str, Any],
-              retries: int) -> tuple[pa.Table, Counter[str], pa.Table | None]:
-    import ray
-
-    read = ray.remote(num_cpus=_READ_CPUS, max_retries=retries)(read_hash_columns)
-    read_idx = ray.remote(num_cpus=_READ_CPUS, max_retries=retries)(read_index)
-    shard_refs = [read.remote(f, storage_options) for f in files]
-    index_refs = [read_idx.remote(f, storage_options) for f in indexes]
-    shards, index_parts = _ray_get(shard_refs), _ray_get(index_refs)
-    status: Counter[str] = Counter()
-    for _, counts in shards:
-        status.update(counts)
-    rows = pa.concat_tables([ROWS_SCHEMA.empty_table(), *(t for t, _ in shards)])
-    index = pa.concat_tables(index_parts).combine_chunks() if index_parts else None
-    return rows.combine_chunks(), status, index
-
-
-def ray_mapper(retries: int) -> Callable[[np.ndarray, BandPlan], list[NearPairs]]:
-    """Run each band combination as a Ray task over one shared copy of the hashes."""
-
-    def run(hashes: np.ndarray, plan: BandPlan) -> list[NearPairs]:
+    def run(self, fn: Callable[..., Any], calls: list[tuple], cpus: float = _TASK_CPUS,
+            name: str | None = None) -> list[Any]:
         import ray
 
-        task = ray.remote(num_cpus=_JOIN_CPUS, max_retries=retries)(combo_pairs)
-        shared = ray.put(hashes)
-        return _ray_get([task.remote(shared, plan, combo) for combo in plan.combos])
+        name = name or fn.__name__
+        if name not in self.remotes:
+            self.remotes[name] = ray.remote(num_cpus=cpus, max_retries=self.retries)(
+                fn).options(name=name)
+        remote = self.remotes[name]
+        started = time.perf_counter()
+        results = ray.get([remote.remote(*args) for args in calls])
+        self.seconds[name] += time.perf_counter() - started
+        return results
 
-    return run
+
+def _cluster_cpus() -> int:
+    import ray
+
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def partition_count(rows: int, cpus: int) -> int:
+    """Partitions for ``rows`` rows: ROWS_PER_PART each, or two per CPU while every
+    partition keeps a tenth of that."""
+    return max(1, math.ceil(rows / ROWS_PER_PART),
+               min(2 * cpus, math.ceil(rows / max(1, ROWS_PER_PART // 10))))
+
+
+def _units(inputs: list[InputFile], counts: list[int]) -> list[list[InputFile]]:
+    """Consecutive inputs grouped into reading tasks of about ROWS_PER_SCATTER rows."""
+    units: list[list[InputFile]] = [[]]
+    rows = 0
+    for file, count in zip(inputs, counts, strict=True):
+        if units[-1] and rows + count > ROWS_PER_SCATTER:
+            units.append([])
+            rows = 0
+        units[-1].append(file)
+        rows += count
+    return units
+
+
+def _count_rows(tasks: _Tasks, urls: list[str], opts: dict[str, Any]) -> list[int]:
+    batch = 256
+    calls = [(urls[i:i + batch], opts) for i in range(0, len(urls), batch)]
+    return [n for counts in tasks.run(parts.count_rows, calls, _READ_CPUS) for n in counts]
 
 
 def _write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
@@ -204,6 +194,140 @@ def inputs_digest(files: list[str], indexes: list[str], cfg: DedupConfig,
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def _read_phase(tasks: _Tasks, work: Work, units: list[list[InputFile]]
+                ) -> dict[str, Any]:
+    """Phase 1: every input read once, by its unit's task; the counts added up."""
+    found = tasks.run(parts.scatter, [(work, i, unit) for i, unit in enumerate(units)],
+                      _READ_CPUS, name="read_hash_columns")
+    status: Counter[str] = Counter()
+    totals: Counter[str] = Counter()
+    samples: list[str] = []
+    for result in found:
+        status.update(result.pop("status"))
+        samples += result.pop("key_sample")
+        totals.update(result)
+    return {"status": status, "samples": sorted(samples), **totals}
+
+
+def _key_boundaries(samples: list[str], ranges: int) -> list[str]:
+    """Keys that cut the sampled keys into ``ranges`` ranges of about equal size."""
+    if ranges <= 1 or not samples:
+        return []
+    picks = {samples[len(samples) * i // ranges] for i in range(1, ranges)}
+    return sorted(picks)
+
+
+def _near_join(tasks: _Tasks, work: Work, n_values: int) -> tuple[int, str]:
+    """Phase 4: the band join (or all pairs, for few values); returns its producers."""
+    plan = plan_bands(n_values, HASH_BITS, work.max_distance)
+    if plan is None:
+        tasks.run(parts.brute_join, [(work, work.parts)])
+        return 1, "all pairs"
+    band_parts = max(1, math.ceil(n_values / VALUES_PER_BAND_TASK))
+    tasks.run(parts.band_scatter, [(work, p, plan, band_parts) for p in range(work.parts)])
+    leads = parts.lead_bands(plan)
+    tasks.run(parts.band_join, [(work, lead, q, band_parts, plan, work.parts)
+                                for lead in leads for q in range(band_parts)])
+    return len(leads) * band_parts, plan.describe()
+
+
+def _components(tasks: _Tasks, work: Work, near: bool) -> str:
+    """Phase 6: large-star and small-star steps until every component is one star;
+    returns the folder of the labels."""
+    sources = [("edges-exact", work.parts), ("edges-values", work.parts)]
+    if near:
+        sources.append(("edges-near", work.parts))
+    step = 0
+    while True:
+        results = tasks.run(parts.large_star_step,
+                            [(work, sources, p, step) for p in range(work.parts)])
+        if sum(r.not_star for r in results) == 0:
+            return f"labels-{step}"
+        tasks.run(parts.small_star_step, [(work, p, step) for p in range(work.parts)])
+        sources = [(f"large-{step}", work.parts)]
+        step += 1
+
+
+def _decide(tasks: _Tasks, work: Work, units: int, samples: list[str], out_url: str
+            ) -> dict[str, int]:
+    """Phases 2-8: links, components, decisions; writes duplicates.parquet."""
+    P = work.parts  # noqa: N806 - the partition count, as in the docs
+    checked = tasks.run(parts.exact_groups, [(work, p, units) for p in range(P)])
+    repeated = sorted(k for r in checked for k in r["repeated"])
+    if repeated:
+        raise ValueError(f"duplicate keys among ok rows (stage 1 broke its contract): "
+                         f"{repeated[:5]}")
+    n_values = sum(tasks.run(parts.unique_values, [(work, p, units) for p in range(P)]))
+    pair_producers, band_plan = 0, "all pairs"
+    if work.max_distance > 0 and n_values >= 2:
+        pair_producers, band_plan = _near_join(tasks, work, n_values)
+    linked = tasks.run(parts.value_links, [(work, p, pair_producers) for p in range(P)])
+    near_pairs = 0
+    if pair_producers:
+        near_pairs = sum(tasks.run(parts.near_links,
+                                   [(work, p, pair_producers) for p in range(P)]))
+    labels = _components(tasks, work, bool(pair_producers))
+    tasks.run(parts.label_members, [(work, p, labels, units) for p in range(P)])
+    boundaries = _key_boundaries(samples, P)
+    decided = tasks.run(parts.decide, [(work, p, boundaries) for p in range(P)])
+    ranges = len(boundaries) + 1
+    tasks.run(parts.sort_range, [(work, r) for r in range(ranges)])
+    tasks.run(parts.concat_sorted, [(work, ranges, out_url)])
+    totals: Counter[str] = Counter()
+    for result in decided:
+        totals.update(result)
+    return {**totals, "distinct_phashes": n_values,
+            "dense_phashes": sum(r["dense"] for r in linked),
+            "dense_whole": sum(r["dense_whole"] for r in linked),
+            "near_pairs": near_pairs, "band_plan": band_plan}
+
+
+def _write_index(tasks: _Tasks, work: Work, units: int, rows: int, source: str,
+                 fs: fsspec.AbstractFileSystem, root: str) -> None:
+    """Phase 9: the next index, written into the work folder, then put in place."""
+    bits = parts.index_prefix_bits(rows, INDEX_ROWS_PER_PART)
+    tasks.run(parts.index_rows_out, [(work, p, units, source, bits)
+                                     for p in range(work.parts)])
+    names = [parts.index_part_name(i, bits) for i in range(1 << bits)]
+    out = posixpath.join(root, WORK_FOLDER, "index-out")
+    tasks.run(parts.index_part, [(work, i, bits, fs.unstrip_protocol(
+        posixpath.join(out, name))) for i, name in enumerate(names)])
+    final = posixpath.join(root, INDEX_FILE)
+    if fs.exists(final):
+        fs.rm(final, recursive=True)
+    fs.makedirs(final, exist_ok=True)
+    for name in names:
+        fs.mv(posixpath.join(out, name), posixpath.join(final, name))
+
+
+def _stats(decided: dict[str, Any], read: dict[str, Any], max_distance: int
+           ) -> dict[str, Any]:
+    """The counts of ``find_duplicates``'s stats, from the tasks' counts."""
+    ok_rows = read["ok_rows"]
+    return {
+        "ok_rows": ok_rows,
+        "index_rows": read["index_rows"],
+        "duplicates": decided["duplicates"],
+        **{kind.value: decided[kind.value] for kind in HASH_KINDS},
+        "dropped_for_index": decided["dropped_for_index"],
+        "clusters": decided["clusters"],
+        "kept": ok_rows - decided["duplicates"],
+        "degenerate_hashes": read["degenerate_whole"] + decided["dense_whole"],
+        "missing_phash": read["missing_phash"],
+        "distinct_phashes": decided["distinct_phashes"],
+        "dense_phashes": decided["dense_phashes"],
+        "near_pairs": decided["near_pairs"],
+        "max_distance": max_distance,
+        "band_plan": decided["band_plan"],
+    }
+
+
+def _remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    fs.invalidate_cache()
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
 def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
               storage_options: dict | None = None, *, source: str | None = None,
               force: bool = False, say: Callable[[str], None] = lambda _: None) -> dict:
@@ -232,25 +356,33 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
     say(f"dedup: reading the hashes of {len(files)} raw shards and {len(indexes)} index "
         "files; starting Ray…")
     init_ray(ray_cfg)
-    rows, status, index = _read_all(files, indexes, opts, ray_cfg.max_task_retries)
+    tasks = _Tasks(ray_cfg.max_task_retries)
+    inputs = [InputFile(i, url, i >= len(files)) for i, url in enumerate(files + indexes)]
+    counts = _count_rows(tasks, files + indexes, opts)
+    work_path = posixpath.join(root, WORK_FOLDER)
+    _remove(fs, work_path)  # what an interrupted run left: this run redoes all of it
+    work = Work(fs.unstrip_protocol(work_path), opts,
+                partition_count(sum(counts), _cluster_cpus()), cfg.max_distance)
+    units = _units(inputs, counts)
+    read = _read_phase(tasks, work, units)
     read_s = time.perf_counter() - started
-    unhashed = index["pixel_hash"].null_count if index is not None else 0
+    unhashed = read["unhashed_index_rows"]
     if unhashed:
         say(f"dedup: {unhashed:,} index rows have no pixel hash of this version (an index "
             "written before it): they match on perceptual hashes only")
-    say(f"dedup: joining {rows.num_rows:,} rows' hashes (exact, then near within "
-        f"{cfg.max_distance} bits, as banded Ray tasks; read in {read_s:.1f} s)…")
-    result = find_duplicates(rows, cfg.max_distance, index,
-                             ray_mapper(ray_cfg.max_task_retries))
+    say(f"dedup: joining {read['ok_rows']:,} rows' hashes (exact, "
+        f"then near within {cfg.max_distance} bits, as banded Ray tasks; read in "
+        f"{read_s:.1f} s)…")
+    decided = _decide(tasks, work, len(units), read["samples"],
+                      fs.unstrip_protocol(posixpath.join(root, DUPLICATES_FILE)))
     decide_s = time.perf_counter() - started - read_s
-    say(f"dedup: {result.duplicates.num_rows:,} duplicates found in {decide_s:.1f} s; "
+    say(f"dedup: {decided['duplicates']:,} duplicates found in {decide_s:.1f} s; "
         "writing duplicates" + (" and index" if cfg.write_index else ""))
-    _write_atomic(fs, posixpath.join(root, DUPLICATES_FILE),
-                  _parquet_bytes(result.duplicates))
     if cfg.write_index:
-        new_index = next_index(rows, result.duplicates, source or _default_source(out_dir),
-                               index)
-        _write_atomic(fs, posixpath.join(root, INDEX_FILE), _parquet_bytes(new_index))
+        _write_index(tasks, work, len(units), read["ok_rows"] + read["index_rows"],
+                     source or _default_source(out_dir), fs, root)
+    _remove(fs, work_path)
+    status = read["status"]
     stats = {
         "stage": "dedup",
         "enabled": True,
@@ -258,12 +390,13 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
         "index_files": len(indexes),
         "rows_in": sum(status.values()),
         "status_counts": dict(sorted(status.items())),
-        **result.stats,
+        **_stats(decided, read, cfg.max_distance),
         "index_rows_without_pixel_hash": unhashed,
         "index_written": cfg.write_index,
         "inputs_digest": digest,
         "seconds": {"read": round(read_s, 3), "decide": round(decide_s, 3),
-                    "total": round(time.perf_counter() - started, 3)},
+                    "total": round(time.perf_counter() - started, 3),
+                    "phases": {k: round(v, 3) for k, v in tasks.seconds.items()}},
     }
     # Written last: the stats file is the completion marker.
     _write_atomic(fs, stats_path, json.dumps(stats, indent=2).encode())

@@ -1,0 +1,244 @@
+"""Internet scale (issue 34): the driver's peak RSS and the wall time of each stage as the
+number of rows grows, and the growth exponent of the time.
+
+    python bench/scale.py [--stages dedup] [--sizes 100000 1000000 10000000] [--quick]
+                          [--check] [--json FILE] [--work DIR]
+
+Each stage is a function ``measure_<stage>(rows, work, args) -> {"driver_peak_rss_mib":
+…, "seconds": …, …}`` registered in ``STAGES``; a new stage adds its function there.
+The driver is a fresh Python process per measurement (its VmHWM, see PEAK); Ray's own
+processes and the task workers are not the driver and are not counted.
+
+``dedup``: stage 2 (``pipeline/dedup_stage.run_dedup``, local Ray with 2 CPUs) on raw
+shard parquet files of 10^4 rows (key, status, pixel_hash, phash, phash_mirror, four
+region hashes, sizes) written to disk first: random 64-bit hashes with the top bit set
+and 1 % planted duplicates of every kind (exact copies, near copies with up to 3 bits
+flipped in every hash, mirrors, crops, and chains of three). ``--check`` also runs the
+single-process decision (``filters/dedup.find_duplicates``) on the same files and
+compares the duplicates and the stats (sizes up to 10^6).
+
+``--quick`` stops at 10^6 rows. ``--json FILE`` writes
+``{"<stage>": {"<rows>": {"driver_peak_rss_mib": …, "seconds": …}}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARD_ROWS = 10_000
+REGIONS = 4
+HEX = np.frombuffer(b"0123456789abcdef", dtype="S1")
+
+
+# ------------------------------------------------------------------------------ dedup
+
+
+def _hashes(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return rng.integers(0, 2**63, shape, dtype=np.uint64) | np.uint64(1 << 63)
+
+
+def _flips(rng: np.random.Generator, shape: tuple[int, ...], most: int = 3) -> np.ndarray:
+    """Masks of up to ``most`` bits below the top one (the same bit may come twice)."""
+    mask = np.zeros(shape, np.uint64)
+    for _ in range(most):
+        mask |= np.uint64(1) << rng.integers(0, 63, shape).astype(np.uint64)
+    return mask
+
+
+def _hex(rng: np.random.Generator, n: int) -> np.ndarray:
+    """n random 32-digit hex strings (pixel hashes), as bytes."""
+    raw = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+    digits = np.stack([raw >> 4, raw & 15], axis=-1).reshape(n, 32)
+    return HEX[digits].view("S32").ravel()
+
+
+def planted_points(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(n, 6) hashes and, per row, the row whose pixels it copies (itself for most): 1 %
+    of the rows are planted duplicates of unplanted ones, a fifth of them of each kind
+    (exact, near, mirror, crop, and chains of three whose ends are up to 6 bits apart)."""
+    rng = np.random.default_rng(seed)
+    points = _hashes(rng, (n, 2 + REGIONS))
+    same_pixels = np.arange(n)
+    planted = rng.choice(n, n // 100, replace=False)
+    originals = np.setdiff1d(np.arange(n), planted)
+    exact, near, mirror, crop, chain = np.array_split(planted, 5)
+
+    def source(rows: np.ndarray) -> np.ndarray:
+        return rng.choice(originals, len(rows))
+
+    same_pixels[exact] = source(exact)
+    points[exact] = points[same_pixels[exact]]
+    points[near] = points[source(near)] ^ _flips(rng, (len(near), 2 + REGIONS))
+    swapped = points[source(mirror)][:, [1, 0, 3, 2, 5, 4]]
+    points[mirror] = swapped ^ _flips(rng, (len(mirror), 2 + REGIONS), 2)
+    points[crop, 0] = points[source(crop), 4] ^ _flips(rng, (len(crop),), 2)
+    middle, end = chain[: len(chain) // 2], chain[len(chain) // 2:][: len(chain) // 2]
+    points[middle] = points[source(middle)] ^ _flips(rng, (len(middle), 2 + REGIONS))
+    points[end] = points[middle[: len(end)]] ^ _flips(rng, (len(end), 2 + REGIONS))
+    return points, same_pixels
+
+
+def write_raw_shards(folder: Path, n: int, seed: int = 0) -> None:
+    """Raw shard parquet files of n rows of hash columns, SHARD_ROWS each."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed + 1)
+    points, same_pixels = planted_points(n, seed)
+    pixel = pa.array(_hex(rng, n)[same_pixels]).cast(pa.string())
+    suffixes = pa.array([f"{i:04d}" for i in range(SHARD_ROWS)])
+    crops = pa.FixedSizeListArray.from_arrays(pa.array(points[:, 2:].reshape(-1)),
+                                              REGIONS).cast(pa.list_(pa.uint64()))
+    sides = rng.choice(np.array([256, 320, 480, 640], np.int32), n)
+    for shard, start in enumerate(range(0, n, SHARD_ROWS)):
+        end = min(n, start + SHARD_ROWS)
+        table = pa.table({
+            "key": pc.binary_join_element_wise(
+                pa.array([f"{shard:05d}"] * (end - start)), suffixes[: end - start], ""),
+            "status": pa.array(["ok"] * (end - start)),
+            "sha256": pa.nulls(end - start, pa.string()),
+            "pixel_hash": pixel[start:end],
+            "phash": pa.array(points[start:end, 0]),
+            "phash_mirror": pa.array(points[start:end, 1]),
+            "crop_phashes": crops[start:end],
+            "original_width": pa.array(sides[start:end]),
+            "original_height": pa.array(sides[start:end]),
+        })
+        pq.write_table(table, folder / f"{shard:05d}.parquet")
+
+
+# The peak is VmHWM, this process's own high-water mark: ru_maxrss would also count the
+# pages of the parent at fork time (Linux carries the old mm's peak over the exec), i.e.
+# this script's generated arrays (313 instead of 178 MiB at 10^6 rows).
+PEAK = "int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) / 1024"
+
+STAGE2_DRIVER = textwrap.dedent("""
+    import json, sys, time
+    from pairforge.config import DedupConfig, RayConfig
+    from pairforge.pipeline.dedup_stage import run_dedup
+    raw, out = sys.argv[1:3]
+    started = time.perf_counter()
+    stats = run_dedup(raw, out, DedupConfig(), RayConfig(num_cpus=2), force=True)
+    seconds = time.perf_counter() - started
+    rss = PEAK
+    print(json.dumps({"seconds": seconds, "driver_peak_rss_mib": rss, "stats": stats}))
+""").replace("PEAK", PEAK)
+
+ORACLE = textwrap.dedent("""
+    import json, sys, time
+    import pyarrow as pa, pyarrow.parquet as pq
+    from pathlib import Path
+    from pairforge.filters.dedup import find_duplicates
+    from pairforge.filters.dedup_parts import read_hash_columns
+    raw, out = Path(sys.argv[1]), Path(sys.argv[2])
+    started = time.perf_counter()
+    rows = pa.concat_tables([read_hash_columns(str(f), {})[0]
+                             for f in sorted(raw.glob("*.parquet"))])
+    result = find_duplicates(rows, 4)
+    seconds = time.perf_counter() - started
+    same = pq.read_table(out / "duplicates.parquet").equals(result.duplicates)
+    rss = PEAK
+    print(json.dumps({"seconds": seconds, "peak_rss_mib": rss, "same_rows": same,
+                      "stats": result.stats}))
+""").replace("PEAK", PEAK)
+
+
+def _python(code: str, *args: str) -> dict[str, Any]:
+    """Run ``code`` in a fresh interpreter (this checkout's pairforge); its last line."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                          text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-4000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_dedup(rows: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    raw, out = work / f"raw-{rows}", work / f"out-{rows}" / "dedup"
+    started = time.perf_counter()
+    write_raw_shards(raw, rows, args.seed)
+    print(f"  dedup {rows:,}: wrote {math.ceil(rows / SHARD_ROWS)} raw shards in "
+          f"{time.perf_counter() - started:.0f} s", flush=True)
+    found = _python(STAGE2_DRIVER, str(raw), str(out))
+    stats = found.pop("stats")
+    result = {**found, "duplicates": stats["duplicates"], "near_pairs": stats["near_pairs"],
+              "band_plan": stats["band_plan"], "phases": stats["seconds"]["phases"],
+              "kinds": {k: stats[k] for k in ("duplicate_exact", "duplicate_near",
+                                              "duplicate_mirror", "duplicate_crop")}}
+    if args.check and rows <= 10**6:
+        oracle = _python(ORACLE, str(raw), str(out))
+        same_stats = all(stats[k] == v for k, v in oracle["stats"].items())
+        result["identical_to_single_process"] = oracle["same_rows"] and same_stats
+        result["single_process"] = {"seconds": oracle["seconds"],
+                                    "peak_rss_mib": oracle["peak_rss_mib"]}
+    shutil.rmtree(raw)
+    shutil.rmtree(out.parent)
+    return result
+
+
+STAGES: dict[str, Callable[[int, Path, argparse.Namespace], dict[str, Any]]] = {
+    "dedup": measure_dedup,
+}
+
+
+def growth(sizes: list[int], seconds: list[float]) -> list[float]:
+    """Exponent of the time's growth between consecutive sizes."""
+    return [math.log(seconds[i + 1] / seconds[i]) / math.log(sizes[i + 1] / sizes[i])
+            for i in range(len(sizes) - 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10**5, 10**6, 10**7])
+    parser.add_argument("--quick", action="store_true", help="stop at 10^6 rows")
+    parser.add_argument("--check", action="store_true",
+                        help="dedup: compare with the single-process decision (<= 10^6)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--work", type=Path, help="folder for the generated files")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    sizes = sorted(s for s in args.sizes if not args.quick or s <= 10**6)
+    work = Path(tempfile.mkdtemp(prefix="scale-", dir=args.work))
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for stage in args.stages:
+            results[stage] = {}
+            for rows in sizes:
+                results[stage][str(rows)] = STAGES[stage](rows, work, args)
+                print(f"{stage} {rows:,}: {json.dumps(results[stage][str(rows)])}",
+                      flush=True)
+                if args.json:
+                    args.json.write_text(json.dumps(results, indent=2))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("\n| stage | rows | driver peak RSS (MiB) | seconds | growth exponent |")
+    print("|---|---:|---:|---:|---:|")
+    for stage, by_rows in results.items():
+        rows = [int(r) for r in by_rows]
+        exponents = [None, *growth(rows, [by_rows[str(r)]["seconds"] for r in rows])]
+        for r, exponent in zip(rows, exponents, strict=True):
+            figures = by_rows[str(r)]
+            print(f"| {stage} | {r:,} | {figures['driver_peak_rss_mib']:.0f} | "
+                  f"{figures['seconds']:.1f} | "
+                  f"{'' if exponent is None else f'{exponent:.2f}'} |")
+
+
+if __name__ == "__main__":
+    main()
