@@ -8,17 +8,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pairforge.config import PairforgeConfig
+from pairforge.config import ConfigError, PairforgeConfig
 from pairforge.download.folder_server import bundled_sample_table, serve_directory
 from pairforge.download.inputs import (
     BUNDLED_SAMPLE,
+    InputFile,
     InputShard,
-    normalise_table,
-    read_input_table,
-    split_shards,
+    plan_input,
+    shards_of,
     tail_parts,
 )
 from pairforge.download.shard import download_shard
+from pairforge.download.split import SPLIT_FOLDER, SplitJob, normalise_table, run_split, write_split
 from pairforge.pipeline.progress import LOG, ProgressCounter, StageDisplay, say
 from pairforge.pipeline.ray_runtime import driver_local_actor, init_ray
 from pairforge.pipeline.runlog import log_shard, run_log
@@ -29,15 +30,59 @@ from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir
 
 @contextmanager
 def input_shards(cfg: PairforgeConfig) -> Iterator[list[InputShard]]:
-    """The input split into shards; the bundled sample is served while the block runs."""
+    """The input planned into shards from its metadata, inputs without row groups split
+    on Ray first; the bundled sample is served while the block runs."""
     if cfg.input.path != BUNDLED_SAMPLE:
-        yield list(split_shards(read_input_table(cfg.input), cfg.input.shard_size))
+        yield plan_input(cfg, lambda jobs: _split_on_ray(jobs, cfg))
         return
     from pairforge.download.folder_server import SAMPLE_DIR
 
     with serve_directory(SAMPLE_DIR) as base_url:
+        # a few dozen rows whose URLs name this run's port: written again by every run
+        out = OutputDir(cfg.output.path, cfg.output.storage_options)
         table = normalise_table(bundled_sample_table(base_url), cfg.input, BUNDLED_SAMPLE)
-        yield list(split_shards(table, cfg.input.shard_size))
+        rows = write_split(out, f"{BUNDLED_SAMPLE}.parquet", [table],
+                           cfg.input.save_additional_columns, cfg.input.shard_size)
+        sample = InputFile(out.uri(SPLIT_FOLDER, f"{BUNDLED_SAMPLE}.parquet"), rows, split=True)
+        yield list(shards_of([sample], cfg.input.shard_size))
+
+
+def _split_on_ray(jobs: list[SplitJob], cfg: PairforgeConfig) -> list[int]:
+    """The splitting pass (download/split.py): one Ray task per input; their rows."""
+    import ray
+
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
+    say(f"input: splitting {len(jobs)} input file(s) into {out.uri(SPLIT_FOLDER)}; "
+        "starting Ray…")
+    init_ray(cfg.ray)
+    task = ray.remote(num_cpus=1, max_retries=cfg.ray.max_task_retries)(_split_task)
+    limit = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    rows: dict[SplitJob, int] = {}
+    started = time.time()
+    with task_errors_raised():
+        _run_bounded(jobs, lambda job: task.remote(job, cfg), limit, lambda _: None,
+                     lambda result: rows.update([result]))
+    say(f"input: {len(jobs)} file(s), {sum(rows.values()):,} rows split in "
+        f"{time.time() - started:.1f} s")
+    return [rows[job] for job in jobs]
+
+
+def _split_task(job: SplitJob, cfg: PairforgeConfig) -> tuple[SplitJob, int]:
+    return job, run_split(job, cfg)
+
+
+@contextmanager
+def task_errors_raised() -> Iterator[None]:
+    """A task's ConfigError (an input file that cannot be read) reaches the user as its
+    own message naming the file, not inside Ray's traceback of the task."""
+    from ray.exceptions import RayTaskError
+
+    try:
+        yield
+    except RayTaskError as err:
+        if isinstance(err.cause, ConfigError):
+            raise err.cause from None
+        raise
 
 
 def _download_task(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, Any],
@@ -75,7 +120,7 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
         task = ray.remote(num_cpus=1, max_retries=cfg.ray.max_task_retries)(_download_task)
         limit = cfg.download.processes or max(1, int(ray.cluster_resources().get("CPU", 1)))
         skipped = len(shards) - len(todo)
-        rows_todo = sum(s.rows.num_rows for s in todo)
+        rows_todo = sum(s.num_rows for s in todo)
         display = StageDisplay("download", len(shards), rows_todo, skipped, live=show_progress)
         merged: list[int] = []  # shards complete, parts merged
         parts: dict[int, list[dict[str, Any]]] = {}
@@ -95,7 +140,7 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
 
         settings = settings_record(stage_settings(cfg, "download"))
         started = time.time()
-        with display:
+        with display, task_errors_raised():
             _run_bounded(tail_parts(todo, limit), lambda s: task.remote(s, cfg, settings, counter),
                          limit, tick, done_task, on_slots=counter.share.remote)
         ray.kill(counter)
