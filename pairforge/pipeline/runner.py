@@ -181,21 +181,29 @@ def _run_bounded(items: list, submit, limit: int, on_tick, on_result=None,  # no
     import ray
 
     queue, in_flight, finished, slots = list(items), [], 0, 1
-    while queue or in_flight:
-        while queue and len(in_flight) < limit:
-            in_flight.append(submit(queue.pop(0)))
-        # the first task to finish frees its slot at once, not at the next tick
-        ready, in_flight = ray.wait(in_flight, num_returns=1, timeout=0.5, fetch_local=False)
-        for ref in ready:
-            result = ray.get(ref)  # re-raises a task's error in the driver
-            if on_result:
-                on_result(result)
-            finished += 1
-        on_tick(finished)
-        now = slots_per_task(limit, len(queue), len(in_flight))
-        if on_slots and in_flight and now != slots:
-            on_slots(now)
-        slots = now
+    try:
+        while queue or in_flight:
+            while queue and len(in_flight) < limit:
+                in_flight.append(submit(queue.pop(0)))
+            # the first task to finish frees its slot at once, not at the next tick
+            ready, in_flight = ray.wait(in_flight, num_returns=1, timeout=0.5,
+                                        fetch_local=False)
+            for ref in ready:
+                result = ray.get(ref)  # re-raises a task's error in the driver
+                if on_result:
+                    on_result(result)
+                finished += 1
+            on_tick(finished)
+            now = slots_per_task(limit, len(queue), len(in_flight))
+            if on_slots and in_flight and now != slots:
+                on_slots(now)
+            slots = now
+    except BaseException:
+        # The stage stops: its other tasks stop too, rather than write on behind a rerun
+        # started in the same process (a shard they leave is incomplete, so redone).
+        for ref in in_flight:
+            ray.cancel(ref)
+        raise
 
 
 def summarise(out: OutputDir, folder: str, shard_ids: list[int]) -> dict[str, Any]:
