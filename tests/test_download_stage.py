@@ -192,7 +192,7 @@ def _tar_input(path: Path, members: list[tuple[str, bytes]]) -> None:
 
 
 @pytest.mark.parametrize("name", ["old.tar", "old.tar.gz"])
-def test_existing_tar_is_reprocessed_without_network(tmp_path, name, ray_local):
+def test_existing_tar_is_reprocessed_without_network(tmp_path, name):
     """Rows of an existing WebDataset tar (plain or gzipped, any extension case) are read
     back from the tar by the shard task: resized, hashed and written like downloads."""
     photos = []
@@ -296,7 +296,7 @@ def _members(path: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("image_threads", [1, 3])
 def test_image_pass_runs_at_most_image_threads_at_once(tmp_path, servers, monkeypatch,
-                                                      image_threads, ray_local):
+                                                      image_threads):
     """Of a task's fetch threads, only download.image_threads run the image pass at once
     (download.py: more cost CPU in cache misses); the others keep fetching."""
     seen = _image_pass_peak(monkeypatch)
@@ -309,8 +309,7 @@ def test_image_pass_runs_at_most_image_threads_at_once(tmp_path, servers, monkey
 
 @pytest.mark.parametrize(("slots", "cores", "expected"), [(3, 8, 3), (3, 2, 2), (1, 8, 1)])
 def test_image_pass_widens_to_the_slots_the_runner_answers(tmp_path, servers, monkeypatch,
-                                                           slots, cores, expected,
-                                                           ray_local):
+                                                           slots, cores, expected):
     """In the run's tail the progress report answers with more task slots; the image pass
     widens to slots x image_threads, within the node's cores."""
     from pairforge.download import shard as download
@@ -510,7 +509,10 @@ def test_a_corrupt_parquet_stops_the_run_naming_it_and_the_rerun_loses_no_row(
     assert [r["key"] for r in rows] == [f"{i // 10:05d}{i % 10:04d}" for i in range(75)]
 
 
-def test_a_ragged_csv_row_stops_the_split_naming_the_file(tmp_path, ray_local):
+def test_a_ragged_csv_row_stops_the_split_naming_the_file(tmp_path, ray_local, monkeypatch):
+    from pairforge.pipeline import runner
+
+    monkeypatch.setattr(runner, "SPLIT_HERE_BYTES", 0)  # split in a Ray task: its error
     good, bad = tmp_path / "a.csv", tmp_path / "b.csv"
     good.write_text("url,caption\nhttp://127.0.0.2:9/0.jpg,zero\n")
     bad.write_text("url,caption\nhttp://127.0.0.2:9/1.jpg,one\nhttp://127.0.0.2:9/2.jpg\n")
@@ -557,10 +559,22 @@ def test_missing_columns_stop_the_run_before_ray(tmp_path, monkeypatch, name):
         run_download(_refused_config(tmp_path, str(path)), show_progress=False)
 
 
-def test_csv_input_is_split_once_and_read_by_the_shard_tasks(tmp_path, ray_local):
-    """The splitting pass writes the csv as parquet under OUT/inputs; a rerun (the raw
-    shards redone here) reuses it, and both runs give the rows the csv holds, in order."""
+@pytest.mark.parametrize("on_ray", [True, False])
+def test_csv_input_is_split_once_and_read_by_the_shard_tasks(tmp_path, ray_local, monkeypatch,
+                                                             on_ray):
+    """The splitting pass writes the csv as parquet under OUT/inputs (in Ray tasks, or in
+    the driver for small inputs); a rerun (the raw shards redone here) reuses it, and both
+    runs give the rows the csv holds, in order."""
     import gzip
+
+    from pairforge.pipeline import runner
+
+    on_ray_calls = []
+    split_on_ray = runner._split_on_ray
+    monkeypatch.setattr(runner, "_split_on_ray",
+                        lambda *args: on_ray_calls.append(1) or split_on_ray(*args))
+    if on_ray:
+        monkeypatch.setattr(runner, "SPLIT_HERE_BYTES", 0)
 
     path = tmp_path / "in.csv.gz"
     table = _refused_rows(0, 23)
@@ -580,3 +594,4 @@ def test_csv_input_is_split_once_and_read_by_the_shard_tasks(tmp_path, ray_local
     again = _raw_rows(tmp_path / "out")
     assert [r["url"] for r in again] == [r["url"] for r in first] == table["url"].to_pylist()
     assert [r["caption"] for r in again] == table["caption"].to_pylist()
+    assert len(on_ray_calls) == on_ray  # the first run only

@@ -160,9 +160,10 @@ def plan_input(cfg: PairforgeConfig, run_splits: SplitRunner) -> list[InputShard
         if jobs and out.exists(SPLIT_FOLDER):
             out.remove_temporaries(SPLIT_FOLDER)  # a killed split leaves its temporary
         done = list(pool.map(lambda job: split_rows(job, out), jobs))
-    todo = list(dict.fromkeys(job for job, rows in zip(jobs, done, strict=True) if rows is None))
-    rows_of = dict(zip(todo, run_splits(todo) if todo else [], strict=True))
-    rows_of.update((job, rows) for job, rows in zip(jobs, done, strict=True) if rows is not None)
+    rows_of = {job: rows for job, rows in zip(jobs, done, strict=True) if rows is not None}
+    todo = [job for job in dict.fromkeys(jobs) if job not in rows_of]  # an input named twice
+    if todo:
+        rows_of.update(zip(todo, run_splits(todo), strict=True))
     files = [p if isinstance(p, InputFile) else
              InputFile(out.uri(SPLIT_FOLDER, p.target), rows_of[p], split=True)
              for p in planned]

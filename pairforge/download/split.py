@@ -21,6 +21,7 @@ import json
 import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import fsspec
 import pyarrow as pa
@@ -47,6 +48,7 @@ class SplitJob:
     fmt: str  # txt, csv, tsv, json, jsonl, parquet, webdataset or folder
     target: str  # file name under OUT/inputs
     record: str | None  # what the split is made from (JSON); None: always made again
+    size: int | None = None  # the input's bytes, None for a folder
 
 
 def normalised_schema(extras: list[str]) -> pa.Schema:
@@ -174,18 +176,12 @@ def _source_batches(job: SplitJob, cfg: InputConfig) -> Iterator[pa.Table]:
             yield normalise_table(table, cfg, path)
 
 
-def source_record(fs: fsspec.AbstractFileSystem, path: str, fmt: str,
-                  cfg: InputConfig) -> str | None:
-    """What a split of this input is made from: the input's name, size and version (mtime,
-    ETag, ...) and the settings that decide its rows. None for a folder, whose listing
-    could change anywhere below it: its split is made again by every run."""
-    if fmt == "folder":
-        return None
-    info = fs.info(path)
+def source_record(source: str, info: dict[str, Any], fmt: str, cfg: InputConfig) -> str:
+    """What a split of this input is made from: the input's URL, size and version (mtime,
+    ETag, ...; ``info`` is fsspec's) and the settings that decide its rows."""
     version = next((str(info[k]) for k in _VERSION_FIELDS if info.get(k) is not None), None)
-    return json.dumps({"source": fs.unstrip_protocol(path), "size": info.get("size"),
-                       "version": version, "format": fmt, "url_col": cfg.url_col,
-                       "caption_col": cfg.caption_col,
+    return json.dumps({"source": source, "size": info.get("size"), "version": version,
+                       "format": fmt, "url_col": cfg.url_col, "caption_col": cfg.caption_col,
                        "save_additional_columns": cfg.save_additional_columns,
                        "split_version": SPLIT_VERSION}, sort_keys=True)
 
@@ -193,11 +189,16 @@ def source_record(fs: fsspec.AbstractFileSystem, path: str, fmt: str,
 def split_job(fs: fsspec.AbstractFileSystem, path: str, fmt: str,
               cfg: InputConfig) -> SplitJob:
     """The split of one input; its file is named after the input, with a digest of the
-    input's full URL so that two inputs of the same name do not meet."""
+    input's full URL so that two inputs of the same name do not meet. A folder's listing
+    could change anywhere below it: its split has no record, and every run makes it."""
     source = fs.unstrip_protocol(path)
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]
-    name = posixpath.basename(path.rstrip("/")) or "input"
-    return SplitJob(source, fmt, f"{name}.{digest}.parquet", source_record(fs, path, fmt, cfg))
+    target = f"{posixpath.basename(path.rstrip('/')) or 'input'}.{digest}.parquet"
+    if fmt == "folder":
+        return SplitJob(source, fmt, target, None)
+    info = fs.info(path)
+    return SplitJob(source, fmt, target, source_record(source, info, fmt, cfg),
+                    info.get("size"))
 
 
 def split_rows(job: SplitJob, out: OutputDir) -> int | None:

@@ -33,7 +33,7 @@ def input_shards(cfg: PairforgeConfig) -> Iterator[list[InputShard]]:
     """The input planned into shards from its metadata, inputs without row groups split
     on Ray first; the bundled sample is served while the block runs."""
     if cfg.input.path != BUNDLED_SAMPLE:
-        yield plan_input(cfg, lambda jobs: _split_on_ray(jobs, cfg))
+        yield plan_input(cfg, lambda jobs: _split(jobs, cfg))
         return
     from pairforge.download.folder_server import SAMPLE_DIR
 
@@ -45,6 +45,20 @@ def input_shards(cfg: PairforgeConfig) -> Iterator[list[InputShard]]:
                            cfg.input.save_additional_columns, cfg.input.shard_size)
         sample = InputFile(out.uri(SPLIT_FOLDER, f"{BUNDLED_SAMPLE}.parquet"), rows, split=True)
         yield list(shards_of([sample], cfg.input.shard_size))
+
+
+# Inputs to split of at most this many bytes in all are split by the driver itself: a
+# split streams (about one row group in memory), and a Ray task's start and round trip
+# would come before the first download of a small run.
+SPLIT_HERE_BYTES = 16 << 20
+
+
+def _split(jobs: list[SplitJob], cfg: PairforgeConfig) -> list[int]:
+    """The splitting pass (download/split.py) of ``jobs``; their rows."""
+    sizes = [job.size for job in jobs]
+    if None not in sizes and sum(sizes) <= SPLIT_HERE_BYTES:
+        return [run_split(job, cfg) for job in jobs]
+    return _split_on_ray(jobs, cfg)
 
 
 def _split_on_ray(jobs: list[SplitJob], cfg: PairforgeConfig) -> list[int]:
