@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import io
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -49,12 +50,14 @@ from PIL import Image, ImageEnhance, ImageOps
 from pairforge.config import DedupConfig, RayConfig
 from pairforge.filters.dedup import (
     HASH_BITS,
-    all_pairs_count,
     local_mapper,
     near_pairs,
     plan_bands,
 )
 from pairforge.filters.hashing import phash_u64
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the quadratic references
+from references import all_pairs_count  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 COCO = ROOT.parent / "shared" / "data" / "coco-sample" / "images"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import io
 import resource
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +22,9 @@ from pairforge.filters.dedup import ROWS_SCHEMA, find_duplicates, local_mapper
 from pairforge.filters.hashing import perceptual_hashes, phash_u64
 from pairforge.filters.semantic import default_clusters, semantic_duplicates
 from pairforge.records import make_key
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the quadratic references
+from references import brute_force_pairs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 COCO = ROOT.parent / "shared" / "data" / "coco-sample" / "images"
@@ -245,8 +249,6 @@ def semantic_part(n: int, seed: int, probes: int) -> None:
 
 def _semantic_vs_all_pairs(n: int, seed: int) -> None:
     """The k-means approximation against comparing all pairs, on a set small enough."""
-    from pairforge.filters.semantic import brute_force_pairs
-
     x, _, _ = _embeddings(n, seed + 1)
     keys = pa.array([make_key(i // 10_000, i % 10_000) for i in range(n)], pa.string())
     k = default_clusters(n, 1000)
@@ -295,6 +297,7 @@ def semantic_ray_part(n: int, seed: int, probes: int) -> None:
     import tempfile
 
     from pairforge.config import parse_config
+    from pairforge.filters.clip import ClipStep
     from pairforge.pipeline.ray_runtime import init_ray
     from pairforge.pipeline.semantic_stage import run_semantic_dedup
     from pairforge.shards.storage import OutputDir
@@ -317,7 +320,7 @@ def semantic_ray_part(n: int, seed: int, probes: int) -> None:
                             "process": {"clip": {"enabled": True, "mode": "score_only"}}})
         init_ray(cfg.ray)
         started = time.perf_counter()
-        stats = run_semantic_dedup(cfg, OutputDir(str(root)), steps=[])
+        stats = run_semantic_dedup(cfg, OutputDir(str(root)), steps=[ClipStep])
         took = time.perf_counter() - started
         print(f"semantic pass on Ray (2 CPUs), {n:,} x 512, {probes} probe(s): {took:.1f}s "
               f"(Ray start not counted); {stats}; peak RSS of the driver {_rss_gib():.1f} GiB")

@@ -5,7 +5,7 @@
     python bench/detector.py --device cuda [--images 64] [--batch 16] [--rounds 2]
                               [--kinds owlvit,owlv2] [--photos tests/data/coco/images]
 
-1. The tiny random-weight OWL-ViT of the tests (pairforge.recaption.tiny), timed through
+1. The tiny random-weight OWL-ViT of the tests (tests/tiny_detector.py), timed through
    the backend (DetectorGrounding.scores: processor, forward, best box per query) on CPU
    photos from ../shared/data, ``--nouns`` queries per image: seconds per image.
 2. The published architectures, built from transformers' default configs with random
@@ -34,6 +34,7 @@ on the queries, so a small text vocabulary, whose embedding lookup costs the sam
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -42,9 +43,11 @@ from typing import Any
 
 from PIL import Image
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny_detector import clip_tokenizer, save_tiny_detector  # noqa: E402
+
 from pairforge.config import GroundingConfig
 from pairforge.recaption.checked import load_grounding
-from pairforge.recaption.tiny import save_tiny_detector
 
 COCO = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "coco-sample" / "images"
 BASES = (("owlvit", "google/owlvit-base-patch32 (768 px)"),
@@ -158,8 +161,6 @@ def save_base_detector(kind: str, out: Path) -> Path:
         OwlViTImageProcessor,
         OwlViTProcessor,
     )
-
-    from pairforge.recaption.tiny import clip_tokenizer
 
     tokenizer = clip_tokenizer([f"a photo of a {n}" for n in NOUNS])
     text = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,

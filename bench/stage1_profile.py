@@ -83,7 +83,7 @@ from pairforge.filters.hashing import (  # noqa: E402
     phash_u64,
     pixel_hash_hex,
 )
-from pairforge.pipeline.runner import input_shards  # noqa: E402
+from pairforge.pipeline.download_stage import input_shards  # noqa: E402
 from pairforge.pipeline.settings import settings_record, stage_settings  # noqa: E402
 from pairforge.shards import raw  # noqa: E402
 

@@ -30,7 +30,8 @@ def make_raw(out: Path, n: int, image_size: int = 256, shard_size: int = 1000,
     from loopback_server import LoopbackServer
 
     from pairforge.config import parse_config
-    from pairforge.pipeline.runner import run_download
+    from pairforge.pipeline.download_stage import run_download
+    from pairforge.pipeline.entry import RunOptions
 
     with open(COCO / "captions.csv", newline="") as f:
         rows = [(r["filename"], r["caption"].strip()) for r in csv.DictReader(f)]
@@ -44,7 +45,7 @@ def make_raw(out: Path, n: int, image_size: int = 256, shard_size: int = 1000,
                             "output": {"path": str(out)},
                             "download": {"allow_addresses": ["127.0.0.1/32"],
                                          "image": {"image_size": image_size}}})
-        run_download(cfg, show_progress=False)
+        run_download(cfg, RunOptions(show_progress=False))
 
 
 def raw_images(raw: Path) -> list[tuple[bytes, str]]:
@@ -64,13 +65,14 @@ def decode(data: bytes):  # noqa: ANN201 - a PIL image
 def stage_seconds(out: Path, process: dict[str, Any]) -> tuple[float, int]:
     """Seconds of `run_process` with only the given steps, and the ok rows it wrote."""
     from pairforge.config import parse_config
+    from pairforge.pipeline.entry import RunOptions
     from pairforge.pipeline.process import run_process
 
     cfg = parse_config({"input": {"path": "unused"}, "output": {"path": str(out)},
                         "dedup": {"enabled": False},
                         "process": {"basic": {"enabled": False}, **process}})
     start = time.perf_counter()
-    summary = run_process(cfg, show_progress=False)
+    summary = run_process(cfg, RunOptions(show_progress=False))
     return time.perf_counter() - start, summary["status"].get("ok", 0)
 
 

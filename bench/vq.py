@@ -39,9 +39,11 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "tests"))  # tiny_vq: the tests' random-weight VQ models
+
+import tiny_vq as tiny  # noqa: E402
 from stage_step import add_pool_args  # noqa: E402
 
-from pairforge.tokenizers import tiny  # noqa: E402
 from pairforge.tokenizers.hf_vq import HFVQTokenizer  # noqa: E402
 from pairforge.tokenizers.train_vq import evaluate, iter_image_bytes, load_arrays  # noqa: E402
 from pairforge.tokenizers.vq_tokenizer import PairforgeVQTokenizer  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -13,6 +14,7 @@ from rich.markup import escape
 
 from pairforge import __version__
 from pairforge.config import ConfigError, PairforgeConfig, load_config
+from pairforge.pipeline.entry import RunOptions
 from pairforge.pipeline.progress import console
 from pairforge.shards.inspect import status_table
 from pairforge.shards.labels import I2T, IMG, T2I
@@ -100,6 +102,10 @@ def _run_guarded(fn, *args):  # noqa: ANN001, ANN202
         raise _user_error(err) from None
 
 
+def _options(force: bool, quiet: bool) -> RunOptions:
+    return RunOptions(force=force, show_progress=not quiet)
+
+
 def _preflight(cfg: PairforgeConfig, stage: str) -> None:
     """Every problem that would stop ``stage`` later, named now, before Ray starts."""
     from pairforge.pipeline.preflight import preflight
@@ -111,11 +117,11 @@ def _preflight(cfg: PairforgeConfig, stage: str) -> None:
 def download(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
              force: ForceOpt = False) -> None:
     """Stage 1: fetch, verify, resize and hash every input row into raw shards."""
-    from pairforge.pipeline.runner import run_download
+    from pairforge.pipeline.download_stage import run_download
 
     cfg = _load(config, set_)
     _preflight(cfg, "download")
-    _print_stage("download", _run_guarded(run_download, cfg, not quiet, force),
+    _print_stage("download", _run_guarded(run_download, cfg, _options(force, quiet)),
                  cfg.output.path)
 
 
@@ -139,11 +145,11 @@ def dedup(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
           ) -> None:
     """Stage 2: exact and near duplicates from the raw shards' hashes (redone when the raw
     shards, the index files or the dedup config changed since the last run)."""
-    from pairforge.pipeline.runner import run_dedup_stage
+    from pairforge.pipeline.dedup_stage import run_dedup_stage
 
     cfg = _load(config, set_)
     _preflight(cfg, "dedup")
-    _print_dedup(_run_guarded(run_dedup_stage, cfg, force, not quiet), cfg.output.path)
+    _print_dedup(_run_guarded(run_dedup_stage, cfg, _options(force, quiet)), cfg.output.path)
 
 
 @app.command()
@@ -154,7 +160,7 @@ def process(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
 
     cfg = _load(config, set_)
     _preflight(cfg, "process")
-    _print_stage("process", _run_guarded(run_process, cfg, not quiet, force),
+    _print_stage("process", _run_guarded(run_process, cfg, _options(force, quiet)),
                  cfg.output.path)
 
 
@@ -162,21 +168,21 @@ def process(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
 def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
           force: ForceOpt = False) -> None:
     """Run every stage in order; complete shards of earlier runs are skipped."""
+    from pairforge.pipeline.dedup_stage import run_dedup_stage
+    from pairforge.pipeline.download_stage import run_download
     from pairforge.pipeline.process import run_process
-    from pairforge.pipeline.runner import run_dedup_stage, run_download
+    from pairforge.pipeline.settings import check_settings
 
     cfg = _load(config, set_)
     _preflight(cfg, "build")  # before hours of downloading, not after
-    from pairforge.pipeline.settings import check_settings
-
-    # every stage's complete shards are checked now: a stage-3 change stops the build
-    # before stage 1, not after it
-    _run_guarded(check_settings, cfg, ("download", "process"), force)
-    _print_stage("download", _run_guarded(run_download, cfg, not quiet, force),
+    # every stage's complete shards are checked now, once: a stage-3 change stops the build
+    # before stage 1, not after it, and the stages do not read the stats files again
+    run = _run_guarded(check_settings, cfg, ("download", "process"), _options(force, quiet))
+    _print_stage("download", _run_guarded(run_download, cfg, run), cfg.output.path)
+    # --force is about settings here; dedup redoes itself when the raw shards changed
+    _print_dedup(_run_guarded(run_dedup_stage, cfg, replace(run, force=False)),
                  cfg.output.path)
-    _print_dedup(_run_guarded(run_dedup_stage, cfg, False, not quiet), cfg.output.path)
-    _print_stage("process", _run_guarded(run_process, cfg, not quiet, force),
-                 cfg.output.path)
+    _print_stage("process", _run_guarded(run_process, cfg, run), cfg.output.path)
     out = cfg.output.path
     console.print(f"training shards: [b]{out}/shards/[/b], manifest: [b]{out}/manifest.json[/b]")
     console.print(f"next: [b]pairforge inspect[/b] {out}   [b]pairforge show[/b] {out} -o sheet.png"

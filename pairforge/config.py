@@ -406,14 +406,11 @@ class ProcessConfig(Strict):
         if taken:
             raise ValueError(f"classifiers: {', '.join(f'{n}_score' for n in taken)} is "
                              "already a column; choose another name")
-        if self.uses_clip_embedding() and not self.clip.enabled:
+        heads = any(c.backend == "clip-head" for c in self.classifiers)
+        if heads and not self.clip.enabled:
             raise ValueError("a clip-head classifier reads the clip step's image embedding: "
                              "set clip.enabled (clip.mode: score_only scores without dropping)")
         return self
-
-    def uses_clip_embedding(self) -> bool:
-        """Whether a classifier reads the clip step's image embedding."""
-        return any(c.backend == "clip-head" for c in self.classifiers)
 
     def training_caption(self) -> str:
         """recaption, original or mix: what the tasks section asks, resolved."""
@@ -480,18 +477,6 @@ class PairforgeConfig(Strict):
                              "process.clip.enabled (clip.mode: score_only embeds without "
                              "dropping)")
         return self
-
-    def has_scoring_pass(self) -> bool:
-        """Whether stage 3 runs CLIP's scoring pass before the writing pass (top_fraction
-        mode, semantic dedup); that pass writes OUT/embeddings for every scored row."""
-        clip = self.process.clip
-        return clip.enabled and (clip.mode == "top_fraction" or self.dedup.semantic.enabled)
-
-    def writing_pass_saves_embeddings(self) -> bool:
-        """The writing pass saves embeddings only when asked and no scoring pass did: its
-        rows are fewer (semantic duplicates skip CLIP), and rewriting the scoring pass's
-        files would change what a rerun's semantic pass reads."""
-        return self.process.clip.save_embeddings and not self.has_scoring_pass()
 
 
 class ConfigError(ValueError):

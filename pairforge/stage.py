@@ -15,6 +15,19 @@ Two optional hooks cover what a step owns beyond one batch: ``build_scope`` (a c
 around the whole stage-3 run, e.g. a shared registry) and ``finish_shard`` (called by the
 writer once a shard's rows are final, before its stats file marks it complete; what it
 returns goes into the shard's stats under the step's name).
+
+A step also answers, from the config alone, what the run around it needs to know:
+whether it runs (``enabled``), what it loads and which settings shape its output
+(``requirements``: preflight checks the sources, the settings digest records the values
+and fingerprints the local files, the start-up line names the model), what every shard's
+stats record of it (``stage_stats``) and what the manifest says of it
+(``manifest_entries``). Preflight, the settings digest, the progress line and the manifest
+ask these; none of them names a step's models or settings.
+
+A ``ScoringStep`` can also score the whole stage in a pass of its own before the writing
+pass (a threshold learned from every score; embeddings for semantic dedup): the driver
+runs the chain up to it, keeps its score and embedding columns per shard, merges the
+per-shard state it asks for, and the writing pass reads the cached columns back.
 """
 
 from __future__ import annotations
@@ -22,16 +35,130 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from pydantic import BaseModel
 
 from pairforge.config import ModelPoolConfig, PairforgeConfig
 from pairforge.records import Status
+
+# The files a transformers folder (or cached hub repo) holds, one name of each group
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # AutoProcessor's
+TRANSFORMERS_FILES = (("config.json",), WEIGHT_FILES, PROCESSOR_FILES)  # model + processor
+
+# A further check of a source once its files are found (a folder's or cached repo's
+# config.json, or the file itself): the problems it finds, each naming its config key. It
+# may raise on a file it cannot read; preflight names that for it.
+SourceCheck = Callable[[str], list[str]]
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    """A local folder holding one name of every group in ``files``, or (``hub``) a hub id
+    whose files are in the local Hugging Face cache (never fetched: builds run offline)."""
+
+    key: str  # the config key, as problems name it
+    ref: str
+    files: tuple[tuple[str, ...], ...] = ()
+    revision: str | None = None
+    hub: bool = True
+    check: SourceCheck | None = None  # given the config.json
+    setting: str | None = None  # the settings digest's key, when not ``key``
+    fingerprint: bool = True  # False: recorded by its config value only
+
+    def local_files(self) -> dict[str, str | None]:
+        return {self.setting or self.key: self.ref} if self.fingerprint else {}
+
+
+@dataclass(frozen=True)
+class OpenClipModel:
+    """An open_clip model: a name open_clip ships (or one in ``model_config_path``, a file
+    or folder of model configs), its weights a pretrained tag (from the local hub cache) or
+    a checkpoint file."""
+
+    key: str  # the config section: its keys are KEY.model, KEY.pretrained, ...
+    model: str
+    pretrained: str | None
+    model_config_path: str | None = None
+
+    def local_files(self) -> dict[str, str | None]:
+        return {f"{self.key}.pretrained": self.pretrained,
+                f"{self.key}.model_config_path": self.model_config_path}
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A file: a checkpoint, a head's state dict, a word list."""
+
+    key: str
+    path: str
+    check: SourceCheck | None = None  # given the file
+    setting: str | None = None
+    fingerprint: bool = True
+
+    def local_files(self) -> dict[str, str | None]:
+        return {self.setting or self.key: self.path} if self.fingerprint else {}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model an OpenAI-compatible server serves: ``GET {base_url}/models`` lists it."""
+
+    key: str  # the model name's config key
+    model: str
+    base_url: str
+    url_key: str
+    api_key_env: str
+    timeout_s: float
+
+    def local_files(self) -> dict[str, str | None]:
+        return {}
+
+
+ModelSource = ModelFolder | OpenClipModel | ModelFile | ServedModel
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a step needs and what shapes its output, from the config alone (no model is
+    loaded): the answer preflight, the settings digest and the start-up line ask for."""
+
+    display: str | None = None  # the model the start-up line names the step by
+    sources: tuple[ModelSource, ...] = ()  # what it loads, each checked before any work
+    settings: dict[str, Any] = field(default_factory=dict)  # {dotted key: value}
+
+
+def setting_values(section: BaseModel, prefix: str,
+                   skip: Collection[str] = ()) -> dict[str, Any]:
+    """``{PREFIX.dotted.key: value}`` of a config section, as the settings digest records
+    it, without the ``skip`` keys (dotted, under the section, with all they hold). A model
+    step's section leaves out how its pool runs: ModelPoolConfig's fields change speed,
+    not bytes."""
+    if isinstance(section, ModelPoolConfig):
+        skip = {*skip, *ModelPoolConfig.model_fields}
+    return flat_values(section.model_dump(mode="json"), prefix, frozenset(skip))
+
+
+def flat_values(value: Any, prefix: str, skip: Collection[str] = (),
+                at: str = "") -> dict[str, Any]:
+    """A nested mapping as ``{PREFIX.dotted.key: leaf}``, without the keys in ``skip``
+    (dotted paths under the mapping)."""
+    if not isinstance(value, dict):
+        return {(prefix + at).rstrip("."): value}
+    flat: dict[str, Any] = {}
+    for key, inner in value.items():
+        path = f"{at}{key}"
+        if path not in skip:
+            flat.update(flat_values(inner, prefix, skip, f"{path}."))
+    return flat
 
 
 @dataclass
@@ -51,6 +178,30 @@ class Step:
 
     def __init__(self, cfg: PairforgeConfig) -> None:
         self.cfg = cfg
+
+    @classmethod
+    def enabled(cls, cfg: PairforgeConfig) -> bool:
+        """Whether the step runs under ``cfg`` (its section's ``enabled``)."""
+        return True
+
+    @classmethod
+    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+        """What it loads and which settings shape its output, as configured (also while it
+        is off: its settings are recorded either way, so turning it on is one change)."""
+        return Requirements()
+
+    @classmethod
+    def stage_stats(cls, cfg: PairforgeConfig) -> dict[str, Any]:
+        """Entries every shard's stats file (and the run's summary) records of it."""
+        return {}
+
+    @classmethod
+    def manifest_entries(cls, cfg: PairforgeConfig, shards: list[dict[str, Any]],
+                         totals: dict[str, Any]) -> dict[str, Any]:
+        """What the manifest says of it, by section: a mapping updates the section
+        (``{"models": {...}}``), a list extends it. ``shards``: every shard's stats;
+        ``totals``: its rows in and out, rows ended and seconds over them."""
+        return {}
 
     def process(self, rows: pa.Table) -> StepResult:
         raise NotImplementedError
@@ -143,6 +294,59 @@ class ModelStep(Step):
     def __del__(self) -> None:
         # Ray Data deletes an actor's step when its pool shuts down gracefully
         self.teardown()
+
+
+# Applies a function to the scores of groups of shards; yields its results.
+ScoreMap = Callable[[Callable[[np.ndarray], Any]], Iterable[Any]]
+
+
+class ScoringStep(Step):
+    """A step that can score the whole stage in a pass of its own before the writing pass:
+    the chain up to it runs under ``scoring_config`` over every shard, and its
+    ``score_column`` (a score file per shard) and ``embedding_column`` (OUT/embeddings) are
+    kept. The writing pass reads them back into its rows, and the step skips the rows that
+    come scored. A threshold learned from the scores (``needs_scoring_pass``) comes from
+    ``learn``, which sees the scores only through functions run next to the score files."""
+
+    score_column: ClassVar[str]
+    embedding_column: ClassVar[str | None] = None
+
+    @classmethod
+    def needs_scoring_pass(cls, cfg: PairforgeConfig) -> bool:
+        """Whether its decisions need every score of the stage first."""
+        return False
+
+    @classmethod
+    def scoring_config(cls, cfg: PairforgeConfig, for_embeddings: bool) -> PairforgeConfig:
+        """The config the scoring pass runs under: scores, no decisions. ``for_embeddings``:
+        the pass runs for the embeddings of every scored row (semantic dedup)."""
+        raise NotImplementedError
+
+    @classmethod
+    def learn(cls, cfg: PairforgeConfig, over_scores: ScoreMap
+              ) -> tuple[PairforgeConfig, dict[str, Any]]:
+        """What the step learns from every shard's scores: the config the writing pass runs
+        under and the stats entries that record it. ``over_scores(fn)`` applies ``fn`` to
+        the non-null scores of groups of shards, wherever the files are (in tasks), and
+        yields the results in any order; ``fn``'s results must add up across groups, so the
+        driver holds only what the step keeps of them (e.g. histograms), never the scores."""
+        raise NotImplementedError
+
+    @classmethod
+    def score_cut(cls, cfg: PairforgeConfig) -> float | None:
+        """The score at or above which the writing pass keeps a row (None: every one)."""
+        return None
+
+    @classmethod
+    def saves_embeddings(cls, cfg: PairforgeConfig) -> bool:
+        """Whether the writing pass writes the embeddings (else the column is dropped
+        before the writer, which has no use for it)."""
+        return False
+
+
+def scoring_step(steps: list[type[Step]]) -> type[ScoringStep] | None:
+    """The chain's step with a scoring pass: the first (OUT's score files hold one score)."""
+    return next((s for s in steps if issubclass(s, ScoringStep)), None)
 
 
 def _scatter(values: pa.Array | list, index: np.ndarray, length: int,

@@ -65,7 +65,8 @@ def ray_local() -> Iterator[None]:
 def download_raw(root: Path, rows: list[tuple[str, str]], shard_size: int) -> Path:
     """Stage 1 over (url, caption) rows at 64 px, loopback only; returns the output folder."""
     from pairforge.config import parse_config
-    from pairforge.pipeline.runner import run_download
+    from pairforge.pipeline.download_stage import run_download
+    from pairforge.pipeline.entry import RunOptions
 
     lines = ["url,caption"] + [f"{url},\"{caption}\"" for url, caption in rows]
     (root / "in.csv").write_text("\n".join(lines) + "\n")
@@ -73,7 +74,7 @@ def download_raw(root: Path, rows: list[tuple[str, str]], shard_size: int) -> Pa
                         "output": {"path": str(root / "out")},
                         "download": {"threads": 4, "allow_addresses": ["127.0.0.1/32"],
                                      "image": {"image_size": 64}}})
-    run_download(cfg, show_progress=False)
+    run_download(cfg, RunOptions(show_progress=False))
     return root / "out"
 
 

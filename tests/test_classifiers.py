@@ -336,7 +336,8 @@ def test_the_second_pass_encodes_only_rows_the_scoring_pass_did_not(models, raw,
     pq.write_table(scored.select(["key", "clip_score"]), out / "clip" / "00000.parquet")
     write_embeddings(OutputDir(str(out)), 0, keys[1:], scored["clip_embedding"].to_pylist())
 
-    second = load_rows(pa.table({"shard": [0], "duplicates": [[]]}), str(out), {}, True)
+    second = load_rows(pa.table({"shard": [0], "duplicates": [[]]}), str(out), {},
+                       "clip_score", "clip_embedding")
     assert second["clip_embedding"].to_pylist()[1:] == scored["clip_embedding"].to_pylist()
     assert second["clip_embedding"][0].as_py() is None
     encoded = []
@@ -378,6 +379,7 @@ def built(raw, models, tmp_path_factory) -> dict:
     scores where known rows fall on each side."""
     import shutil
 
+    from pairforge.pipeline.entry import RunOptions
     from pairforge.pipeline.process import run_process
 
     table = _raw_table(raw / "raw")
@@ -398,7 +400,7 @@ def built(raw, models, tmp_path_factory) -> dict:
          "drop_above": nsfw_bound, "status": "unsafe", "batch_size": 8},
         {"name": "aesthetic", "backend": "clip-head", "path": models["aesthetic"],
          "drop_below": aesthetic_bound, "status": "low_aesthetic"}]))
-    summary = run_process(cfg, show_progress=False)
+    summary = run_process(cfg, RunOptions(show_progress=False))
     return {"out": out, "summary": summary, "expected": expected,
             "bare": {k: {"nsfw": nsfw[i], "aesthetic": heads["aesthetic"][i]}
                      for i, k in enumerate(keys)}}

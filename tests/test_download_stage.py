@@ -26,7 +26,8 @@ from PIL import Image
 
 from pairforge.config import ConfigError, PairforgeConfig, parse_config
 from pairforge.download.shard import download_shard
-from pairforge.pipeline.runner import input_shards, run_download
+from pairforge.pipeline.download_stage import input_shards, run_download
+from pairforge.pipeline.entry import RunOptions
 from pairforge.pipeline.settings import settings_record, stage_settings
 
 
@@ -88,7 +89,7 @@ def test_every_failure_kind_gets_its_status(tmp_path, servers, ray_local):
     _write_csv(inp, cases)
     # 2 s, not the 1 s of _config: the slow route still times out (it trickles for ~19 s),
     # and a redirect answered late on a loaded machine does not (one did, in the suite)
-    summary = run_download(_config(tmp_path, inp, timeout=2.0), show_progress=False)
+    summary = run_download(_config(tmp_path, inp, timeout=2.0), RunOptions(show_progress=False))
 
     raw = tmp_path / "out" / "raw"
     table = pq.read_table(sorted(raw.glob("*.parquet"))).to_pylist()
@@ -265,7 +266,7 @@ def test_the_last_shard_split_over_the_slots_is_merged_into_the_same_shard(
         cfg = cfg.model_copy(update={
             "input": cfg.input.model_copy(update={"shard_size": 6}),
             "output": cfg.output.model_copy(update={"path": str(tmp_path / out)})})
-        run_download(cfg, show_progress=False)
+        run_download(cfg, RunOptions(show_progress=False))
         return tmp_path / out / "raw"
 
     whole, split = run("whole", processes=1), run("split", processes=2)
@@ -337,7 +338,7 @@ def test_runner_hands_finished_tasks_slots_to_the_running_ones(ray_local):
     import ray
 
     from pairforge.pipeline.counter import ProgressCounter
-    from pairforge.pipeline.runner import _run_bounded, slots_per_task
+    from pairforge.pipeline.download_stage import _run_bounded, slots_per_task
 
     assert [slots_per_task(2, 3, 2), slots_per_task(2, 0, 1), slots_per_task(16, 0, 5),
             slots_per_task(16, 0, 0), slots_per_task(4, 1, 3)] == [1, 2, 3, 1, 1]

@@ -1,7 +1,7 @@
 """Grounding by an open-vocabulary detector (recaption/detector.py, issue 20).
 
 The detector is a tiny random-weight OWL-ViT built from its config with a CLIP tokenizer
-trained here (pairforge.recaption.tiny.save_tiny_detector), saved with
+trained here (tests/tiny_detector.py), saved with
 ``save_pretrained`` and loaded by path through the backend's own loading code; the
 expected scores come from the bare transformers model, query by query and image by image.
 """
@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from tiny_detector import save_tiny_detector
 
 import pairforge
 from pairforge.config import ConfigError, GroundingConfig, parse_config
 from pairforge.pipeline.preflight import check_model_sources
 from pairforge.recaption.checked import load_grounding
-from pairforge.recaption.tiny import save_tiny_detector
 
 SAMPLE = Path(pairforge.__file__).parent / "sample"
 WORDS = ["a photo of a dog", "a photo of a cat", "a photo of a bench", "a photo of a bus",

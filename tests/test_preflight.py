@@ -19,7 +19,7 @@ from openai_server import OpenAIServer, closed_port, closed_port_url
 
 import pairforge
 from pairforge.config import ConfigError, PairforgeConfig, parse_config
-from pairforge.pipeline.preflight import check_model_sources, preflight, server_problems
+from pairforge.pipeline.preflight import check_model_sources, model_problems, preflight
 
 SAMPLE = Path(pairforge.__file__).parent / "sample"
 NO_GROUNDING = {"grounding": {"enabled": False}}
@@ -101,11 +101,11 @@ def test_every_problem_is_listed_at_once(tmp_path):
         **_tokenize({"backend": "janus", "path_or_id": "./models/janus"},
                     {"backend": "hf", "path_or_id": str(tmp_path)}),
         "recaption": {"enabled": True, "model": "~/models/vlm", **NO_GROUNDING}})
-    assert problems == [
+    assert problems == [  # in the order of the step chain
+        "process.recaption.model: ~/models/vlm is not a folder (and is not a hub id)",
         "process.tokenize.image.path_or_id: ./models/janus is not a folder (and is not a hub id)",
         f"process.tokenize.text.path_or_id: {tmp_path} has no tokenizer.json or "
-        "tokenizer_config.json",
-        "process.recaption.model: ~/models/vlm is not a folder (and is not a hub id)"]
+        "tokenizer_config.json"]
 
 
 HUB_MODELS = {
@@ -118,6 +118,11 @@ HUB_MODELS = {
 def test_hub_ids_not_in_the_local_cache_are_named_with_how_to_fetch_them(hub_cache):
     problems = _problems(HUB_MODELS)
     assert [p.split(": ")[:2] for p in problems] == [
+        ["process.recaption.model", "hub id HuggingFaceTB/SmolVLM-256M-Instruct is not in the "
+         f"local Hugging Face cache ({hub_cache} has no config.json of it) and this run does "
+         "not download; fetch it on a machine with network (`hf download "
+         "HuggingFaceTB/SmolVLM-256M-Instruct`) and copy the cache here (HF_HUB_CACHE), or "
+         "set process.recaption.model to a local folder"],
         ["process.tokenize.image.path_or_id", "hub id BAAI/Emu3-VisionTokenizer is not in the "
          f"local Hugging Face cache ({hub_cache} has no config.json of it) and this run does "
          "not download; fetch it on a machine with network (`hf download "
@@ -127,12 +132,7 @@ def test_hub_ids_not_in_the_local_cache_are_named_with_how_to_fetch_them(hub_cac
          f"cache ({hub_cache} has no tokenizer.json or tokenizer_config.json of it) and this "
          "run does not download; fetch it on a machine with network (`hf download gpt2`) and "
          "copy the cache here (HF_HUB_CACHE), or set process.tokenize.text.path_or_id to a "
-         "local folder"],
-        ["process.recaption.model", "hub id HuggingFaceTB/SmolVLM-256M-Instruct is not in the "
-         f"local Hugging Face cache ({hub_cache} has no config.json of it) and this run does "
-         "not download; fetch it on a machine with network (`hf download "
-         "HuggingFaceTB/SmolVLM-256M-Instruct`) and copy the cache here (HF_HUB_CACHE), or "
-         "set process.recaption.model to a local folder"]]
+         "local folder"]]
 
 
 def test_hub_ids_in_the_local_cache_pass(hub_cache):
@@ -334,18 +334,18 @@ def _openai(base_url: str, model: str = "tiny-vlm") -> PairforgeConfig:
 
 def test_the_captioning_server_must_answer_and_serve_the_model(monkeypatch):
     url = closed_port_url()
-    [refused] = server_problems(_openai(url))
+    [refused] = model_problems(_openai(url))
     assert refused == (f"process.recaption.openai.base_url: {url}: GET /models failed "
                        "([Errno 111] Connection refused); start the server or correct the URL")
     monkeypatch.setenv("OPENAI_API_KEY", "k-123")
     with OpenAIServer(["other-vlm", "tiny-vlm-2"]) as server:
-        assert server_problems(_openai(server.base_url)) == [
+        assert model_problems(_openai(server.base_url)) == [
             f"process.recaption.model: 'tiny-vlm' is not served by {server.base_url} "
             "(it serves 'other-vlm', 'tiny-vlm-2')"]
-        assert server_problems(_openai(server.base_url + "/", "tiny-vlm-2")) == []
+        assert model_problems(_openai(server.base_url + "/", "tiny-vlm-2")) == []
     assert server.requests == [("GET /v1/models", "Bearer k-123")] * 2
     with OpenAIServer([], status=401) as server:
-        assert server_problems(_openai(server.base_url)) == [
+        assert model_problems(_openai(server.base_url)) == [
             f"process.recaption.openai.base_url: {server.base_url}: GET /models answered "
             "HTTP 401 (check the key in $OPENAI_API_KEY)"]
 

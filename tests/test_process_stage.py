@@ -25,6 +25,7 @@ from PIL import Image
 
 from pairforge.config import parse_config
 from pairforge.pipeline import process as process_module
+from pairforge.pipeline.entry import RunOptions
 from pairforge.pipeline.process import run_process
 
 N_IMAGES = 40
@@ -110,7 +111,7 @@ def test_threshold_mode_scores_match_bare_open_clip(tmp_path, coco_raw, tiny_cli
     threshold = float(np.median(list(eligible.values())))
     out = _fresh_out(tmp_path, coco_raw)
     summary = run_process(parse_config(_config(out, tiny_clip, threshold=threshold)),
-                          show_progress=False)
+                          RunOptions(show_progress=False))
     rows = _rows(out)
     assert len(rows) == N_IMAGES and summary["rows"] == N_IMAGES
     assert rows["000000009"]["status"] == "http_error"
@@ -131,7 +132,7 @@ def test_threshold_mode_scores_match_bare_open_clip(tmp_path, coco_raw, tiny_cli
 def test_top_fraction_keeps_exactly_the_highest_scores(tmp_path, coco_raw, tiny_clip, ray_local):
     out = _fresh_out(tmp_path, coco_raw)
     cfg = _config(out, tiny_clip, mode="top_fraction", top_fraction=0.25, save_embeddings=True)
-    run_process(parse_config(cfg), show_progress=False)
+    run_process(parse_config(cfg), RunOptions(show_progress=False))
     rows = _rows(out)
     scored = {k: r["clip_score"] for k, r in rows.items() if r["clip_score"] is not None}
     assert len(scored) == N_IMAGES - 2
@@ -152,7 +153,7 @@ def test_cached_scores_are_reused_only_under_the_same_settings(tmp_path, coco_ra
 
     out = _fresh_out(tmp_path, coco_raw)
     cfg = _config(out, tiny_clip, mode="top_fraction", top_fraction=0.25)
-    run_process(parse_config(cfg), show_progress=False)
+    run_process(parse_config(cfg), RunOptions(show_progress=False))
     real = {k: r["clip_score"] for k, r in _rows(out).items() if r["clip_score"] is not None}
 
     def killed_after_scoring(digest: bytes | None) -> None:
@@ -167,11 +168,11 @@ def test_cached_scores_are_reused_only_under_the_same_settings(tmp_path, coco_ra
                 {b"pairforge.settings": digest} if digest else table.schema.metadata), path)
 
     killed_after_scoring(None)  # the digest as written: this run's settings
-    run_process(parse_config(cfg), show_progress=False)
+    run_process(parse_config(cfg), RunOptions(show_progress=False))
     assert {k: r["clip_score"] for k, r in _rows(out).items() if k in real} == dict.fromkeys(
         real, 0.5)
     killed_after_scoring(b"0123456789abcdef")  # made under other settings
-    run_process(parse_config(cfg), show_progress=False)
+    run_process(parse_config(cfg), RunOptions(show_progress=False))
     rescored = {k: r["clip_score"] for k, r in _rows(out).items() if k in real}
     assert rescored == pytest.approx(real, abs=1e-5)  # batches may group rows differently
 
@@ -189,7 +190,7 @@ def test_two_model_pools_do_not_hang_two_cores(tmp_path, coco_raw, tiny_clip, ra
                         lambda cfg: [BasicFilterStep, ClipStep, SecondClipStep])
     out = _fresh_out(tmp_path, coco_raw)
     cfg = parse_config(_config(out, tiny_clip, pool_size=2, mode="score_only"))
-    summary = run_process(cfg, show_progress=False)
+    summary = run_process(cfg, RunOptions(show_progress=False))
     assert summary["status"] == {"ok": N_IMAGES - 2, "http_error": 1, "caption_too_short": 1}
 
 
@@ -224,7 +225,7 @@ def test_a_pool_shares_one_shard_batch_by_batch(tmp_path, coco_raw, ray_local, m
         if not extra.name.startswith("00000"):
             extra.unlink()
     cfg = parse_config(_config(out, tiny_clip, pool_size=2, batch_size=1))
-    summary = run_process(cfg, show_progress=False)
+    summary = run_process(cfg, RunOptions(show_progress=False))
     assert summary["status"] == {"ok": 9, "http_error": 1}
     pids = [r["actor_pid"] for r in _rows(out).values() if r["status"] == "ok"]
     assert len(pids) == 9 and None not in pids and len(set(pids)) == 2
@@ -267,7 +268,7 @@ def test_shards_are_written_while_the_pool_still_works(tmp_path, coco_raw, ray_l
     out_dir = _fresh_out(tmp_path, coco_raw)
     # the actor asks for all the CPUs that the stage's tasks leave (1.25 of 2)
     cfg = parse_config(_config(out_dir, tiny_clip, pool_size=1, batch_size=2, num_cpus=2))
-    run_process(cfg, show_progress=False)
+    run_process(cfg, RunOptions(show_progress=False))
     written = [r["shards_written"] for r in _rows(out_dir).values() if r["status"] == "ok"]
     assert len(written) == ok_rows
     assert max(written) >= 1, written  # a shard was complete before the last model call
@@ -332,9 +333,9 @@ def test_resume_after_sigkill_gives_same_output(tmp_path, coco_raw, tiny_clip, r
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert len(list((killed / "shards").glob("*_stats.json"))) < 4
-    run_process(parse_config(config(killed)), show_progress=False)
+    run_process(parse_config(config(killed)), RunOptions(show_progress=False))
     whole = _fresh_out(tmp_path / "w", coco_raw)
-    run_process(parse_config(config(whole)), show_progress=False)
+    run_process(parse_config(config(whole)), RunOptions(show_progress=False))
     assert _rows(killed) == _rows(whole)
     assert _tar_keys(killed) == _tar_keys(whole)
     assert not [p for p in (killed / "shards").iterdir() if ".tmp-" in p.name]
@@ -378,7 +379,7 @@ def test_tokenize_step_writes_codes_tokens_and_tasks(tmp_path, coco_raw, tiny_vq
     cfg["process"]["tokenize"] = {"enabled": True, "batch_size": 8,
                                   "image": {"backend": "pairforge-vq", "path_or_id": tiny_vq}}
     cfg["process"]["tasks"] = {"p_drop": 0.25, "seed": 1}
-    run_process(parse_config(cfg), show_progress=False)
+    run_process(parse_config(cfg), RunOptions(show_progress=False))
 
     tokenizer = load_image_tokenizer({"backend": "pairforge-vq", "path_or_id": tiny_vq})
     tars = sorted(str(p) for p in (out / "shards").glob("*.tar"))
@@ -418,7 +419,7 @@ def test_manifest_sizes_and_wids_index(tmp_path, coco_raw, tiny_vq, ray_local):
     cfg = _config(out, {}, enabled=False)
     cfg["process"]["tokenize"] = {"enabled": True, "image": {"path_or_id": tiny_vq}}
     cfg["process"]["tasks"] = {"p_drop": 0.5}
-    run_process(parse_config(cfg), show_progress=False)
+    run_process(parse_config(cfg), RunOptions(show_progress=False))
     manifest = json.loads((out / "manifest.json").read_text())
     layout = VocabLayout.from_manifest(manifest["vocab"])
     assert (layout.text_vocab_size, layout.image_codebook_size) == (256, 64)
@@ -453,7 +454,7 @@ def tokenized_dataset(tmp_path_factory, coco_raw, tiny_vq, ray_local) -> Path:
     cfg = _config(out, {}, enabled=False)
     cfg["process"]["tokenize"] = {"enabled": True, "image": {"path_or_id": tiny_vq}}
     cfg["process"]["tasks"] = {"p_drop": 0.3}
-    run_process(parse_config(cfg), show_progress=False)
+    run_process(parse_config(cfg), RunOptions(show_progress=False))
     return out
 
 

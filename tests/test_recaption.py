@@ -28,6 +28,7 @@ from test_process_stage import (  # noqa: F401 - tiny_clip, tiny_vq: session fix
 )
 
 from pairforge.config import RecaptionConfig, parse_config
+from pairforge.pipeline.entry import RunOptions
 from pairforge.pipeline.process import run_process
 from pairforge.recaption.backends import OpenAICaptioner, TransformersCaptioner, data_url
 from pairforge.recaption.cache import CachedCaption, CaptionCache, mentions_text
@@ -250,7 +251,7 @@ def test_recaption_stage_caches_dedups_filters_and_chooses(
                   constrained_decoding=False)
     cfg["process"]["tasks"].update(caption="mix", recaption_share=0.5)
     out = Path(cfg["output"]["path"])
-    run_process(parse_config(cfg), show_progress=False)
+    run_process(parse_config(cfg), RunOptions(show_progress=False))
     rows = _rows(out)
     assert len(rows) == len(TAUGHT) + len(DUPLICATED) + 1
     ok = {k: r for k, r in rows.items() if r["status"] == "ok"}
@@ -297,7 +298,7 @@ def test_recaption_stage_caches_dedups_filters_and_chooses(
     hidden = weights.rename(tmp_path / "weights.hidden")
     weights.write_bytes(b"not a safetensors file")
     try:
-        run_process(parse_config(again), show_progress=False)
+        run_process(parse_config(again), RunOptions(show_progress=False))
     finally:
         hidden.replace(weights)
     second = _rows(out_b)
@@ -323,7 +324,7 @@ def test_unsupported_nouns_regenerate_then_abstain_to_img(
             backend="openai", model="taught-blip",
             openai={"base_url": server.base_url, "concurrency": 2})
         out = Path(cfg["output"]["path"])
-        run_process(parse_config(cfg), show_progress=False)
+        run_process(parse_config(cfg), RunOptions(show_progress=False))
     # each distinct photo asked twice (the strict retry), its duplicates not at all
     assert server.prompts == {DEFAULT_PROMPT: len(TAUGHT),
                               DEFAULT_PROMPT + STRICT_PROMPT: len(TAUGHT)}

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from test_grounding_detector import WORDS
+from tiny_detector import save_tiny_detector
 from typer.testing import CliRunner
 
 import pairforge
@@ -25,7 +26,6 @@ from pairforge.cli import app
 from pairforge.config import EvaluationConfig
 from pairforge.recaption.cider import cider_d
 from pairforge.recaption.evaluate import read_table
-from pairforge.recaption.tiny import save_tiny_detector
 
 ROOT = Path(pairforge.__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "recaption_eval"

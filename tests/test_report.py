@@ -34,7 +34,8 @@ def test_every_section_is_there_and_says_what_it_shows(dataset):
     assert [a for a, _ in SECTIONS] == re.findall(r'<section id="(\w+)">', page)
     funnel = _section(page, "funnel")
     assert ("<tr><td>too_small</td><td class=\"n\">1</td><td class=\"n\">33.3%</td>"
-            "<td>a side below download.min_image_size</td></tr>") in funnel
+            "<td>a side below download.image.min_image_size or "
+            "process.basic.min_image_side</td></tr>") in funnel
     assert funnel.count("data:image/png;base64,") == 1  # and its chart
     budget = _section(page, "budget")
     assert ("<tr><td>t2i</td><td class=\"n\">1</td><td class=\"n\">16</td>"

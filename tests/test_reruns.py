@@ -19,10 +19,12 @@ from loopback_server import LoopbackServer
 
 import pairforge
 from pairforge.config import parse_config
+from pairforge.pipeline.entry import RunOptions
 from pairforge.pipeline.settings import (
     SettingsChanged,
     changed_shards,
     check_rerun,
+    check_settings,
     settings_record,
     stage_settings,
 )
@@ -97,6 +99,46 @@ def test_a_model_file_that_changes_changes_the_settings(tmp_path):
     assert {k for k in before if before[k] != after[k]} == {key}
 
 
+
+def _stage3_stats(out: Path, shard_id: int, raw_digest: str, **process) -> None:
+    """A training shard's stats file, made under ``process`` from a raw shard of
+    ``raw_digest``."""
+    values = {**stage_settings(_cfg(**process), "process"), "raw.settings": raw_digest}
+    _write_stats(out, "shards", shard_id, values)
+
+
+def test_a_stage_checked_once_in_a_run_is_not_read_again(tmp_path):
+    cfg = _cfg().model_copy(update={"output": _cfg().output.model_copy(
+        update={"path": str(tmp_path)})})
+    raw = settings_record(stage_settings(cfg, "download"))
+    run = check_settings(cfg, ("download", "process"), RunOptions())
+    assert run.checked == {"download", "process"} and not run.force
+    # written after the run's check (as if by another run): this run does not look again
+    _write_stats(tmp_path, "raw", 0, raw["values"])
+    _stage3_stats(tmp_path, 0, raw["digest"], tasks={"p_drop": 0.5})
+    assert check_settings(cfg, ("process",), run) is run
+    with pytest.raises(SettingsChanged, match="process.tasks.p_drop"):
+        check_settings(cfg, ("process",), RunOptions())  # a run of its own does
+
+
+def test_build_checks_a_training_shard_whose_raw_shard_stage_1_must_remake(tmp_path):
+    """A forced stage 1 that stopped before redoing raw shard 1 left its training shard,
+    made from the old raw shard: build's one check (before stage 1) catches it too."""
+    cfg = _cfg().model_copy(update={"output": _cfg().output.model_copy(
+        update={"path": str(tmp_path)})})
+    raw = settings_record(stage_settings(cfg, "download"))
+    _write_stats(tmp_path, "raw", 0, raw["values"])
+    _stage3_stats(tmp_path, 0, raw["digest"])
+    _stage3_stats(tmp_path, 1, "an older raw shard")  # its raw stats file is gone
+    assert check_settings(cfg, ("process",), RunOptions()).checked == {"process"}
+    with pytest.raises(SettingsChanged, match="00001") as err:
+        check_settings(cfg, ("download", "process"), RunOptions())
+    assert "raw.settings" in str(err.value) and "00000" not in str(err.value)
+    check_settings(cfg, ("download", "process"), RunOptions(force=True))
+    assert sorted(p.name for p in (tmp_path / "shards").glob("*_stats.json")) == [
+        "00000_stats.json"]
+
+
 # ------------------------------------------------------------ through the CLI, end to end
 
 
@@ -136,6 +178,36 @@ def built(tmp_path_factory) -> tuple[Path, Path]:
 
 def _stats(out: Path, folder: str) -> dict[str, dict]:
     return {p.name: json.loads(p.read_text()) for p in sorted((out / folder).glob("*_stats.json"))}
+
+
+# Runs the CLI with settings.check_rerun (the stats files' reader) counted: the stages it
+# was asked to check, per call, as the last line of stdout.
+_COUNT_CHECKS = """
+import atexit, json, sys
+from pairforge import cli
+from pairforge.pipeline import settings
+
+calls, real = [], settings.check_rerun
+
+def counted(out, checks, force):
+    calls.append(sorted(stage for stage, _, _ in checks))
+    return real(out, checks, force)
+
+settings.check_rerun = counted
+atexit.register(lambda: print(json.dumps(calls)))
+cli.main()
+"""
+
+
+def test_build_reads_the_settings_of_each_stage_once(built):
+    config, out = built
+    p_drop = json.loads((out / "shards" / "00000_stats.json").read_text())["budget"]["p_drop"]
+    done = subprocess.run([sys.executable, "-c", _COUNT_CHECKS, "build", str(config), "-q",
+                           "--set", f"process.tasks.p_drop={p_drop}"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "3 already complete" in done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [["download", "process"]]
 
 
 def test_a_rerun_under_a_new_setting_stops_before_work_and_force_redoes(built):

@@ -11,10 +11,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from references import brute_force_pairs
 
 from pairforge.filters.semantic import (
     assign,
-    brute_force_pairs,
     cluster_pairs,
     duplicates_from_pairs,
     group_pairs,
@@ -176,6 +176,7 @@ def write_scored_shards(out: Path, x: np.ndarray, keys: list[str], scores: list[
 
 def test_semantic_pass_on_ray_matches_the_algorithm_and_is_reused(tmp_path, ray_local):
     from pairforge.config import parse_config
+    from pairforge.filters.clip import ClipStep
     from pairforge.pipeline.plan import read_duplicates
     from pairforge.pipeline.semantic_stage import run_semantic_dedup
 
@@ -189,7 +190,7 @@ def test_semantic_pass_on_ray_matches_the_algorithm_and_is_reused(tmp_path, ray_
                         "dedup": {"enabled": False,
                                   "semantic": {"enabled": True, "rows_per_cluster": 200}},
                         "process": {"clip": {"enabled": True, "threshold": 0.2}}})
-    stats = run_semantic_dedup(cfg, _out(tmp_path), steps=[])
+    stats = run_semantic_dedup(cfg, _out(tmp_path), steps=[ClipStep])
     table = pq.read_table(tmp_path / "dedup" / "semantic.parquet")
     # only rows CLIP keeps take part: a survivor dropped for its score would take its copies
     keep = np.array(scores) >= 0.2
@@ -204,7 +205,7 @@ def test_semantic_pass_on_ray_matches_the_algorithm_and_is_reused(tmp_path, ray_
     assert {kind for d in planned.values() for kind, _ in d.values()} == {"duplicate_semantic"}
     # a finished pass is reused while its inputs are the same
     (tmp_path / "dedup" / "semantic.parquet").write_bytes(b"changed")
-    assert run_semantic_dedup(cfg, _out(tmp_path), steps=[]) == stats
+    assert run_semantic_dedup(cfg, _out(tmp_path), steps=[ClipStep]) == stats
 
 
 def _out(path: Path):
@@ -227,6 +228,7 @@ def test_stage3_drops_semantic_copies_beside_their_kept_rows(tmp_path, tiny_clip
     from PIL import Image
 
     from pairforge.config import parse_config
+    from pairforge.pipeline.entry import RunOptions
     from pairforge.pipeline.process import run_process
 
     photos = sorted(COCO_IMAGES.iterdir())[:10]
@@ -252,7 +254,7 @@ def test_stage3_drops_semantic_copies_beside_their_kept_rows(tmp_path, tiny_clip
                                     "clip": {"enabled": True, "batch_size": 8,
                                              "mode": "score_only", "save_embeddings": True,
                                              **tiny_clip}}})
-    summary = run_process(cfg, show_progress=False)
+    summary = run_process(cfg, RunOptions(show_progress=False))
     rows = {}
     for part in sorted((raw / "shards").glob("*.parquet")):
         rows.update({r["key"]: r for r in pq.read_table(part).to_pylist()})
@@ -270,7 +272,8 @@ def test_stage3_drops_semantic_copies_beside_their_kept_rows(tmp_path, tiny_clip
     embedded = [k for f in sorted((raw / "embeddings").glob("*_keys.json"))
                 for k in json.loads(f.read_text())]
     assert sorted(embedded) == sorted(rows)
-    assert run_process(cfg, show_progress=False)["semantic_dedup"] == summary["semantic_dedup"]
+    again = run_process(cfg, RunOptions(show_progress=False))
+    assert again["semantic_dedup"] == summary["semantic_dedup"]
     # every decision explained: counts per kind, and each dropped row beside the kept one
     from pairforge.shards.duplicates import summary_lines
     from pairforge.shards.show import TILE, show

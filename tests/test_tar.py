@@ -10,7 +10,15 @@ import tarfile
 import pytest
 import webdataset as wds
 
-from pairforge.shards.tar import SampleTarWriter, iter_samples, read_samples, split_member_name
+from pairforge.shards.tar import (
+    SampleTarWriter,
+    archive_end,
+    copy_members,
+    iter_samples,
+    members_end,
+    read_samples,
+    split_member_name,
+)
 
 SAMPLES = [("000000001", {"jpg": b"\xff\xd8jpeg", "txt": "a dog on a sofa",
                           "json": {"key": "000000001", "width": 64}, "vq.npy": b"\x93NUMPY"}),
@@ -118,6 +126,47 @@ def test_a_name_longer_than_ustar_holds_gets_a_pax_header():
 ])
 def test_read_samples_gives_what_iter_samples_gives(archive):
     assert list(read_samples(archive)) == list(iter_samples(io.BytesIO(archive)))
+
+
+
+def _tarfile_members_end(archive: bytes) -> int:
+    """Where tarfile's last member ends (what shards/raw.py's merge read before)."""
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        last = tar.getmembers()[-1]
+    return last.offset_data + 512 * -(-last.size // 512)
+
+
+@pytest.mark.parametrize("archive", [
+    pytest.param(_tar_bytes(), id="ours"),
+    pytest.param(_tarfile_archive([("a.jpg", b"1"), ("b.jpg", b"3" * 600)], tarfile.GNU_FORMAT),
+                 id="gnu"),
+    pytest.param(_tarfile_archive([("k" * 120 + ".jpg", b"1")], tarfile.GNU_FORMAT),
+                 id="gnu-long-name"),
+    pytest.param(_tarfile_archive([("a.jpg", b"1"), ("b.jpg", b"3")], tarfile.PAX_FORMAT,
+                                  mtime=1.5), id="pax"),
+])
+def test_members_end_is_where_tarfile_s_last_member_ends(archive):
+    assert members_end(io.BytesIO(archive)) == _tarfile_members_end(archive)
+    assert len(archive) - members_end(io.BytesIO(archive)) >= 1024  # the end blocks
+
+
+def test_parts_copied_one_after_another_are_the_archive_one_writer_writes():
+    """shards/raw.py's merge of a split shard's parts: the same bytes, byte for byte."""
+    def archive(samples: list) -> bytes:
+        buffer = io.BytesIO()
+        with SampleTarWriter(buffer, mtime=1_700_000_000) as writer:
+            for key, files in samples:
+                writer.write(key, files)
+        return buffer.getvalue()
+
+    third = ("000000003", {"jpg": b"\xff" * 5000, "txt": "x"})
+    parts = [archive(SAMPLES[:1]), archive([]), archive([SAMPLES[1], third])]
+    merged = io.BytesIO()
+    written = sum(copy_members(io.BytesIO(part), merged, chunk=700) for part in parts)
+    merged.write(archive_end(written))
+    assert merged.getvalue() == archive([*SAMPLES, third])
+    with pytest.raises(tarfile.ReadError):
+        copy_members(io.BytesIO(parts[2][:1500]), io.BytesIO())  # a part cut short
 
 
 def test_read_samples_refuses_a_truncated_or_damaged_archive():

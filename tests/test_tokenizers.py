@@ -8,9 +8,9 @@ import shutil
 
 import numpy as np
 import pytest
+import tiny_vq as tiny
 from PIL import Image
 
-from pairforge.tokenizers import tiny
 from pairforge.tokenizers.base import state_dict_sha256
 from pairforge.tokenizers.hf_vq import HFVQTokenizer
 from pairforge.tokenizers.registry import load_image_tokenizer

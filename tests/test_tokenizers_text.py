@@ -60,7 +60,6 @@ def test_hf_fingerprint_follows_content_not_path(bpe_dir: Path, tmp_path: Path) 
     assert tok.fingerprint["model"] != copy.fingerprint["model"]
     other = HFTextTokenizer(str(train_bpe(captions(), tmp_path / "small", vocab_size=300)))
     assert other.fingerprint["digest"] != tok.fingerprint["digest"]
-    assert tok.encode_batch(["a cat", "a dog"]) == [tok.encode("a cat"), tok.encode("a dog")]
 
 
 def test_hf_backend_needs_a_path() -> None:

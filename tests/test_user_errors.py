@@ -259,8 +259,8 @@ def test_every_problem_is_named_in_one_message(tmp_path, no_model_server):
     result = run_cli(["build", write_config(tmp_path, config)])
     assert_user_error(result.output, result.exit_code, ["error: build cannot start:"])
     lines = result.output.strip().splitlines()[1:]
-    assert [line.split(":")[0].strip() for line in lines] == [
-        "output.path", "process.tokenize.image.path_or_id", "process.recaption.model"]
+    assert [line.split(":")[0].strip() for line in lines] == [  # steps in chain order
+        "output.path", "process.recaption.model", "process.tokenize.image.path_or_id"]
 
 
 @pytest.mark.parametrize("name", ["yaml-malformed", "openai-server-not-listening",

@@ -14,6 +14,11 @@ One ``Fetcher`` is shared by the fetch threads of a shard task. It differs from 
 * bodies are capped while streaming, and ``X-Robots-Tag`` opt-outs are honoured before
   the body is read;
 * no exception escapes ``fetch``: every failure is a ``Status`` and a short message.
+
+The client is http.client with the pool below, not urllib3: on urllib3 the same contract
+still needs the guarded connect (through urllib3's private ``_new_conn``), this module's
+deadline response and its own retry and redirect loops, and it cost 20-40 % more CPU per
+request (bench/fetch_urllib3.py, measured in bench/RESULTS.md; docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ Order of work, cheapest rejection first:
    reduced DCT scale (1/2, 1/4, 1/8), never below the size the resize needs.
 3. Decode; truncated or corrupt data is ``decode_error`` (``LOAD_TRUNCATED_IMAGES`` is
    never set: a half-grey image is not a training sample). A JPEG is decoded by
-   simplejpeg (``pipeline.jpegdecode``: the same libjpeg-turbo with less overhead) at the
+   simplejpeg (``download.jpegdecode``: the same libjpeg-turbo with less overhead) at the
    scale step 2 picks, into the very pixels Pillow would give; whatever simplejpeg does
    not reproduce exactly or refuses (CMYK, EXIF rotation, warnings, corrupt data) goes
    to Pillow.
 4. EXIF orientation is applied, the image becomes RGB, alpha is composited onto white.
 5. ``pixel_hash`` and ``phash`` of that decoded image, then the resize (downscaling with
-   libvips, see ``pipeline.resample``; upscaling with Pillow), then re-encoding with Pillow.
+   libvips, see ``download.resample``; upscaling with Pillow), then re-encoding with Pillow.
 
 Sizes are computed exactly as img2dataset (albumentations' ``smallest_max_size`` /
 ``longest_max_size``, ``center_crop``, ``pad``), always from the true original size, so a
@@ -71,7 +71,7 @@ OPEN_FORMATS: tuple[str, ...] = tuple(
 BORDER_COLOR = (0, 0, 0)
 BACKGROUND_COLOR = (255, 255, 255)  # alpha is composited onto white, as img2dataset does
 
-# Downscaling is libvips' Lanczos-3 (pipeline.resample). Upscaling: Pillow's bicubic.
+# Downscaling is libvips' Lanczos-3 (download.resample). Upscaling: Pillow's bicubic.
 # Lanczos (img2dataset's choice) cost 2 of the ~5 ms per COCO photo (300 px to 256 px
 # keep_ratio upscales the short side) for no visible difference.
 UPSCALE_FILTER = Image.Resampling.BICUBIC

@@ -10,9 +10,9 @@ import functools
 
 import pyarrow as pa
 
-from pairforge.config import BasicFilterConfig
+from pairforge.config import BasicFilterConfig, PairforgeConfig
 from pairforge.records import Status
-from pairforge.stage import Step, StepResult
+from pairforge.stage import Requirements, Step, StepResult, setting_values
 
 
 @functools.cache
@@ -55,6 +55,15 @@ class BasicFilterStep(Step):
     provides: dict[str, pa.DataType] = {}
     ends = (Status.TOO_SMALL, Status.BAD_ASPECT, Status.CAPTION_TOO_SHORT,
             Status.CAPTION_TOO_LONG, Status.CAPTION_LANGUAGE)
+
+    @classmethod
+    def enabled(cls, cfg: PairforgeConfig) -> bool:
+        return cfg.process.basic.enabled
+
+    @classmethod
+    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+        # py3langid's model ships inside its package: nothing to look for
+        return Requirements(settings=setting_values(cfg.process.basic, "process.basic."))
 
     def process(self, rows: pa.Table) -> StepResult:
         cfg = self.cfg.process.basic

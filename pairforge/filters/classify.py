@@ -29,7 +29,16 @@ import pyarrow as pa
 from pairforge.config import ClassifierConfig, ModelPoolConfig, PairforgeConfig
 from pairforge.images import decode_rgb, model_device, model_dtype
 from pairforge.records import Status, classifier_columns
-from pairforge.stage import ModelStep, StepResult
+from pairforge.stage import (
+    TRANSFORMERS_FILES,
+    ModelFile,
+    ModelFolder,
+    ModelSource,
+    ModelStep,
+    Requirements,
+    StepResult,
+    setting_values,
+)
 
 Layer = tuple[np.ndarray, np.ndarray | None]  # (weight [out, in], bias [out])
 _SEQUENTIAL_KEY = re.compile(r"^(?:(?P<prefix>.+)\.)?(?P<index>\d+)\.weight$")
@@ -184,6 +193,55 @@ class TransformersClassifier:
         return probs[:, self.index].cpu().numpy()
 
 
+# -- what a classifier loads ---------------------------------------------------------------
+
+def classifier_source(cfg: PairforgeConfig, index: int) -> ModelSource:
+    """The model or head file of ``process.classifiers[index]``; preflight also checks that
+    a model has the label and a head takes the CLIP model's embedding size (only config
+    files and the small head are read, never a model)."""
+    entry = cfg.process.classifiers[index]
+    key = f"process.classifiers[{index}] ({entry.name})"
+    setting = f"process.classifiers.{entry.name}"
+    if entry.backend == "clip-head":
+        return ModelFile(f"{key}.path", entry.path, _head_check(cfg, f"{key}.path", entry),
+                         setting=f"{setting}.path")
+    return ModelFolder(f"{key}.model", entry.model, TRANSFORMERS_FILES, entry.revision,
+                       check=_label_check(f"{key}.label", entry), setting=f"{setting}.model")
+
+
+def _label_check(key: str, entry: ClassifierConfig):  # noqa: ANN202 - a SourceCheck
+    def check(config_json: str) -> list[str]:
+        labels = config_labels(config_json)  # unreadable: preflight names the file
+        try:
+            label_index(labels, entry.label, entry.model)
+        except ValueError as err:
+            return [f"{key}: {err}"]
+        return []
+
+    return check
+
+
+def _head_check(cfg: PairforgeConfig, key: str, entry: ClassifierConfig):  # noqa: ANN202
+    def check(path: str) -> list[str]:
+        from pairforge.filters.clip import clip_embed_dim
+
+        try:
+            head = load_head(entry)
+        except Exception as err:  # noqa: BLE001 - a pickle, safetensors or layout error
+            return [f"{key}: cannot load a head from {path} ({type(err).__name__}: {err})"]
+        try:
+            dim = clip_embed_dim(cfg.process.clip)
+        except Exception:  # noqa: BLE001 - a bad clip model is named by its own check
+            dim = None
+        if dim is not None and dim != head.input_dim:
+            return [f"{key}: the head takes {head.input_dim}-dim embeddings but "
+                    f"process.clip.model {cfg.process.clip.model} makes {dim}-dim ones; use "
+                    "the head trained on this CLIP model's embeddings (README: classifiers)"]
+        return []
+
+    return check
+
+
 # -- the steps ------------------------------------------------------------------------------
 
 def score_column(name: str) -> str:
@@ -214,6 +272,28 @@ class ClassifierStep(ModelStep):
     @classmethod
     def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
         return cls.entry(cfg)
+
+    @classmethod
+    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+        entry = cls.entry(cfg)
+        index = cfg.process.classifiers.index(entry)
+        return Requirements(
+            sources=(classifier_source(cfg, index),),
+            settings=setting_values(entry, f"process.classifiers.{entry.name}."))
+
+    @classmethod
+    def manifest_entries(cls, cfg: PairforgeConfig, shards: list[dict[str, Any]],
+                         totals: dict[str, Any]) -> dict[str, Any]:
+        """The classifier as configured (model or head file, label, bound, status) and the
+        rows it scored and dropped over the shards on disk."""
+        entry = cls.entry(cfg)
+        return {"classifiers": [{
+            "name": entry.name, "score": score_column(entry.name), "backend": entry.backend,
+            "model": entry.model if entry.backend == "transformers" else entry.path,
+            "label": entry.label, "drop_above": entry.drop_above,
+            "drop_below": entry.drop_below, "status": entry.status,
+            "rows_scored": totals.get("rows_in", 0),
+            "rows_dropped": sum((totals.get("ended") or {}).values())}]}
 
     def __init__(self, cfg: PairforgeConfig) -> None:
         super().__init__(cfg)

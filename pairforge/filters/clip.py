@@ -15,9 +15,18 @@ import pyarrow as pa
 from PIL import Image
 
 from pairforge.config import ClipConfig, ModelPoolConfig, PairforgeConfig
+from pairforge.filters.selection import kth_largest
 from pairforge.images import decode_rgb, model_device
 from pairforge.records import Status, process_columns
-from pairforge.stage import ModelStep, StepResult
+from pairforge.stage import (
+    ModelStep,
+    OpenClipModel,
+    Requirements,
+    ScoreMap,
+    ScoringStep,
+    StepResult,
+    setting_values,
+)
 
 
 class ClipScorer:
@@ -77,28 +86,117 @@ def clip_embed_dim(cfg: ClipConfig) -> int | None:
     return int(config["embed_dim"]) if config and "embed_dim" in config else None
 
 
+def clip_source(cfg: PairforgeConfig) -> OpenClipModel:
+    """The clip section's model, as the clip step, grounding and the caption cache load it."""
+    clip = cfg.process.clip
+    return OpenClipModel("process.clip", clip.model, clip.pretrained, clip.model_config_path)
+
+
+def read_by_heads(cfg: PairforgeConfig) -> bool:
+    """Whether a classifier reads the clip step's image embedding (a clip-head does)."""
+    return any(c.backend == "clip-head" for c in cfg.process.classifiers)
+
+
 def _cached(rows: pa.Table, column: str) -> list:
     """A column the scoring pass cached (pipeline/stream.load_rows), else all None."""
     return rows[column].to_pylist() if column in rows.column_names else [None] * rows.num_rows
 
 
-class ClipStep(ModelStep):
-    """Scores ok rows that have no score yet; filters by the configured threshold."""
+class ClipStep(ScoringStep, ModelStep):
+    """Scores ok rows that have no score yet; filters by the configured threshold.
+
+    In ``top_fraction`` mode the threshold is learned first, in a scoring pass over every
+    shard (scores cached per shard in ``OUT/clip``): the writing pass then runs in
+    ``threshold`` mode with it, reading the cached scores instead of scoring again."""
 
     name = "clip"
     requires = ("image", "caption")
     provides = process_columns("clip_score", "clip_embedding")
     ends = (Status.LOW_CLIP_SCORE,)
+    score_column = "clip_score"
+    embedding_column = "clip_embedding"
 
     @classmethod
     def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
         return cfg.process.clip
 
+    @classmethod
+    def enabled(cls, cfg: PairforgeConfig) -> bool:
+        return cfg.process.clip.enabled
+
+    @classmethod
+    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+        return Requirements(display=cfg.process.clip.model, sources=(clip_source(cfg),),
+                            settings=setting_values(cfg.process.clip, "process.clip."))
+
+    @classmethod
+    def stage_stats(cls, cfg: PairforgeConfig) -> dict[str, Any]:
+        clip = cfg.process.clip
+        stats: dict[str, Any] = {"clip_model": f"{clip.model}/{clip.pretrained}"}
+        if clip.mode == "threshold":
+            stats["clip_threshold"] = clip.threshold
+        return stats
+
+    @classmethod
+    def manifest_entries(cls, cfg: PairforgeConfig, shards: list[dict[str, Any]],
+                         totals: dict[str, Any]) -> dict[str, Any]:
+        first = shards[0] if shards else {}  # the model and threshold the shards were made with
+        return {"models": {"clip": first.get("clip_model"),
+                           "clip_threshold": first.get("clip_threshold")}}
+
+    # -- the scoring pass -----------------------------------------------------------------
+
+    @classmethod
+    def needs_scoring_pass(cls, cfg: PairforgeConfig) -> bool:
+        return cfg.process.clip.mode == "top_fraction"
+
+    @classmethod
+    def scoring_config(cls, cfg: PairforgeConfig, for_embeddings: bool) -> PairforgeConfig:
+        scoring = cfg.model_copy(deep=True)
+        scoring.process.clip.mode = "score_only"
+        if for_embeddings:
+            scoring.process.clip.save_embeddings = True
+            return scoring
+        # semantic dedup reads the embeddings of this pass (pipeline/semantic_stage.py), and
+        # clip-head classifiers read them in the writing pass (pipeline/stream.py), so no
+        # image is encoded twice
+        scoring.process.clip.save_embeddings |= (cfg.dedup.semantic.enabled
+                                                 or read_by_heads(cfg))
+        scoring.process.classifiers = []  # they run in the writing pass
+        return scoring
+
+    @classmethod
+    def learn(cls, cfg: PairforgeConfig, over_scores: ScoreMap
+              ) -> tuple[PairforgeConfig, dict[str, Any]]:
+        """``top_fraction`` mode: the threshold is the k-th largest score of the stage,
+        selected exactly in two passes of histograms (filters/selection.py)."""
+        top_fraction = cfg.process.clip.top_fraction
+        resolved = cfg.model_copy(deep=True)
+        resolved.process.clip.mode = "threshold"
+        resolved.process.clip.threshold = kth_largest(over_scores, top_fraction)
+        return resolved, {"clip_threshold": resolved.process.clip.threshold,
+                          "clip_top_fraction": top_fraction}
+
+    @classmethod
+    def score_cut(cls, cfg: PairforgeConfig) -> float | None:
+        clip = cfg.process.clip
+        return clip.threshold if clip.mode == "threshold" else None
+
+    @classmethod
+    def saves_embeddings(cls, cfg: PairforgeConfig) -> bool:
+        """Only when asked and no scoring pass wrote them: its rows are fewer (semantic
+        duplicates skip CLIP), and rewriting the scoring pass's files would change what a
+        rerun's semantic pass reads."""
+        clip = cfg.process.clip
+        scoring_pass = clip.enabled and (clip.mode == "top_fraction"
+                                         or cfg.dedup.semantic.enabled)
+        return clip.save_embeddings and not scoring_pass
+
     def __init__(self, cfg: PairforgeConfig) -> None:
         super().__init__(cfg)
         self.clip_cfg = cfg.process.clip
         self.scorer = ClipScorer(self.clip_cfg, model_device(self.clip_cfg))
-        self.for_heads = cfg.process.uses_clip_embedding()
+        self.for_heads = read_by_heads(cfg)
 
     def process(self, rows: pa.Table) -> StepResult:
         captions = rows["caption"].to_pylist()

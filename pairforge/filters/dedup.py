@@ -441,18 +441,6 @@ def near_pairs(hashes: np.ndarray, max_distance: int,
     return _merge((mapper or local_mapper())(hashes, plan))
 
 
-def all_pairs_count(hashes: np.ndarray, max_distance: int, chunk: int = 2048) -> int:
-    """Reference all-pairs comparison (quadratic): the number of pairs within distance."""
-    hashes = np.ascontiguousarray(hashes, dtype=np.uint64)
-    found = 0
-    for start in range(0, len(hashes), chunk):
-        block = hashes[start:start + chunk]
-        dist = np.bitwise_count(block[:, None] ^ hashes[None, start:])
-        upper = np.triu(np.ones_like(dist, dtype=bool), 1)
-        found += int(((dist <= max_distance) & upper).sum())
-    return found
-
-
 # ------------------------------------------------------------------------------ clusters
 
 

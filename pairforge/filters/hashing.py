@@ -203,7 +203,3 @@ def perceptual_hashes(image: Image.Image) -> PerceptualHashes:
     lows = [_low_frequencies(t) for t in _thumbnails(_intermediate(image))]
     bits = _bits_of(np.stack([v for low in lows for v in (low, low * _MIRROR_SIGN)]))
     return PerceptualHashes(bits[0], bits[1], tuple(bits[2:]))
-
-
-def hamming_u64(a: int, b: int) -> int:
-    return (a ^ b).bit_count()

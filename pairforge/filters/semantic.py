@@ -250,10 +250,3 @@ def duplicates_from_pairs(keys: pa.Array, x: np.ndarray, area: np.ndarray,
         "similarity": pa.array(similarity, pa.float32()),
     }, schema=SEMANTIC_SCHEMA)
     return out.take(pc.sort_indices(out, sort_keys=[("key", "ascending")]))
-
-
-def brute_force_pairs(embeddings: np.ndarray, threshold: float) -> np.ndarray:
-    """Reference: every pair (i < j) of all rows at cosine >= threshold (quadratic)."""
-    x = normalise(embeddings)
-    pairs, _ = cluster_pairs(x, np.arange(len(x)), threshold)
-    return pairs[np.lexsort((pairs[:, 1], pairs[:, 0]))]

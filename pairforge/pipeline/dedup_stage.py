@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pairforge.config import DedupConfig, RayConfig
+from pairforge.config import DedupConfig, PairforgeConfig, RayConfig
 from pairforge.filters.dedup import (
     DUPLICATES_SCHEMA,
     INDEX_SCHEMA,
@@ -40,9 +40,10 @@ from pairforge.filters.dedup import (
     pixel_hash_matches,
     prepare_rows,
 )
+from pairforge.pipeline.entry import RunOptions
 from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.records import HASH_COLUMNS
-from pairforge.shards.storage import atomic_writer
+from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir, atomic_writer
 
 DUPLICATES_FILE = "duplicates.parquet"
 STATS_FILE = "dedup_stats.json"
@@ -267,3 +268,20 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
     # Written last: the stats file is the completion marker.
     _write_atomic(fs, stats_path, json.dumps(stats, indent=2).encode())
     return stats
+
+
+def run_dedup_stage(cfg: PairforgeConfig, run: RunOptions) -> dict[str, Any]:
+    """Stage 2 over the complete raw shards (only their hash columns are read); ``run.force``
+    redoes a finished dedup even when it matches its inputs. Its rerun check is its inputs'
+    digest, not ``settings.check_settings``."""
+    # the driver's alone: the Ray workers that import this module for its tasks skip them
+    from pairforge.pipeline import progress
+    from pairforge.pipeline.runlog import run_log
+
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
+    with run_log(cfg, "dedup") as log:
+        stats = run_dedup(out.uri(RAW_FOLDER), out.uri(DEDUP_FOLDER), cfg.dedup, cfg.ray,
+                          cfg.output.storage_options, force=run.force,
+                          say=progress.say if run.show_progress else progress.LOG.info)
+        progress.LOG.info("dedup: %s", {k: v for k, v in stats.items() if not isinstance(v, dict)})
+    return {**stats, "log": log}

@@ -2,7 +2,7 @@
 
 Model steps run in actor pools that load their model once per actor; other steps run as
 plain Ray tasks. The frame knows nothing about which models run: a new step is a class
-(on the contract in stage.py) and a config section.
+(on the contract in stage.py), a config section and its line in pipeline/chain.py.
 """
 
 from __future__ import annotations

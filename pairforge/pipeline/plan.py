@@ -1,8 +1,5 @@
 """Stage 3, planning: which raw shards to process, how many rows each must return, and
 each shard's own duplicates. Reads stats files and the dedup table, never a raw shard.
-
-CLIP's ``top_fraction`` mode needs the score distribution over the whole dataset first:
-its threshold is the quantile of the scores a first pass cached in ``OUT/clip``.
 """
 
 from __future__ import annotations
@@ -10,7 +7,6 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -18,7 +14,7 @@ from pairforge.config import PairforgeConfig
 from pairforge.pipeline.settings import process_expected
 from pairforge.records import Status, index_digits, shard_of_key
 from pairforge.shards.raw import completed_shards, stats_name
-from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, SCORES_FOLDER, OutputDir
+from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir
 
 Duplicates = dict[str, tuple[str, str]]  # key -> (status, kept key)
 
@@ -68,18 +64,3 @@ def plan_shards(out: OutputDir, cfg: PairforgeConfig, folder: str) -> list[Shard
         dups = duplicates.get(shard_id, {})
         plans.append(ShardPlan(shard_id, ok - len(dups), dups, settings[shard_id]))
     return plans
-
-
-def score_threshold(out: OutputDir, top_fraction: float) -> float:
-    """The score that keeps ``top_fraction`` of all scored rows (DataComp's top 30%)."""
-    scores = []
-    for name in out.glob(f"{SCORES_FOLDER}/*.parquet"):
-        with out.fs.open(out.path(SCORES_FOLDER, name), "rb") as f:
-            column = pq.read_table(f, columns=["clip_score"])["clip_score"]
-        scores.append(column.drop_null().to_numpy())
-    values = np.concatenate(scores) if scores else np.array([], np.float32)
-    if not len(values):
-        return float("-inf")
-    # Keep the k highest scores; ties at the boundary are all kept.
-    k = max(1, int(round(top_fraction * len(values))))
-    return float(np.sort(values)[::-1][k - 1])

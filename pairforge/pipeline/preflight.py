@@ -6,11 +6,12 @@ weights or starting Ray, and every problem is named at once with its config key:
 
 * the output folder can be created and written (a probe file, written and deleted);
 * the input paths and dedup index files exist;
-* every model source: a local folder holds the files its loader reads; an open_clip name
-  and pretrained tag are ones open_clip knows, or a file; a hub id is in the local Hugging
-  Face cache (looked up on disk, never over the network: build machines are often offline);
-* the OpenAI-compatible captioning server answers ``GET /models`` and serves the model;
-* the word-list files of the recaption safety checks exist.
+* every source an enabled step loads (``Step.requirements``; one check per kind): a local
+  folder holds the files its loader reads; an open_clip name and pretrained tag are ones
+  open_clip knows, or a file; a hub id is in the local Hugging Face cache (looked up on
+  disk, never over the network: build machines are often offline); a file exists; an
+  OpenAI-compatible server answers ``GET /models`` and serves the model. A step's own
+  check then reads what was found (a classifier's labels, a detector's model type).
 
 Hub ids are resolved against the cache of the machine that runs the command; on a
 cluster the workers need the same cache (or a shared ``HF_HUB_CACHE``).
@@ -26,20 +27,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from pairforge.config import (
-    ClassifierConfig,
-    ClipConfig,
-    ConfigError,
-    DetectorConfig,
-    PairforgeConfig,
+from pairforge.config import ConfigError, PairforgeConfig
+from pairforge.stage import (
+    ModelFile,
+    ModelFolder,
+    ModelSource,
+    OpenClipModel,
+    ServedModel,
+    SourceCheck,
 )
 
 Stage = Literal["download", "dedup", "process", "build"]
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # AutoProcessor's
 OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 SERVER_TIMEOUT_S = 5.0  # GET /models: a live server answers at once
 
@@ -55,7 +54,7 @@ def preflight(cfg: PairforgeConfig, stage: Stage) -> None:
     if stage in ("dedup", "build") and cfg.dedup.enabled:
         problems += dedup_index_problems(cfg)
     if stage in ("process", "build"):
-        problems += model_problems(cfg) + server_problems(cfg) + word_list_problems(cfg)
+        problems += model_problems(cfg)
     if problems:
         raise ConfigError(f"{stage} cannot start:\n  " + "\n  ".join(problems))
 
@@ -63,12 +62,16 @@ def preflight(cfg: PairforgeConfig, stage: Stage) -> None:
 def recaption_problems(cfg: PairforgeConfig) -> list[str]:
     """What the recaption step alone needs (``pairforge recaption-eval``): its models, its
     server, its word lists."""
-    return model_problems(cfg) + server_problems(cfg) + word_list_problems(cfg)
+    from pairforge.recaption.step import RecaptionStep
+
+    return [problem for source in RecaptionStep.requirements(cfg).sources
+            for problem in source_problems(source)]
 
 
 def check_model_sources(cfg: PairforgeConfig) -> None:
-    """Raise ``ConfigError`` naming each config key whose model cannot be found."""
-    problems = model_problems(cfg)
+    """Raise ``ConfigError`` naming each config key whose model cannot be found (on disk:
+    the servers were asked by preflight)."""
+    problems = model_problems(cfg, served=False)
     if problems:
         raise ConfigError("a model cannot be found:\n  " + "\n  ".join(problems))
 
@@ -106,7 +109,6 @@ def input_problems(cfg: PairforgeConfig) -> list[str]:
 
 def _column_problems(cfg: PairforgeConfig, fs, path: str, fmt: str) -> list[str]:  # noqa: ANN001
     import csv
-    import json
 
     import pyarrow.parquet as pq
 
@@ -220,153 +222,56 @@ def dedup_index_problems(cfg: PairforgeConfig) -> list[str]:
     return problems
 
 
-def word_list_problems(cfg: PairforgeConfig) -> list[str]:
-    rc = cfg.process.recaption
-    if not rc.enabled:
-        return []
-    problems = [f"process.recaption.attribute_lexicons: {folder} is not a folder"
-                for folder in rc.attribute_lexicons if not Path(folder).is_dir()]
-    if rc.grounding.enabled:
-        problems += [f"process.recaption.grounding.extra_nouns: {path} is not a file"
-                     for path in rc.grounding.extra_nouns if not Path(path).is_file()]
-    return problems
+# -- what the steps load ------------------------------------------------------------------
+
+def model_problems(cfg: PairforgeConfig, served: bool = True) -> list[str]:
+    """Every source the enabled steps load (``Step.requirements``), each checked once by
+    its kind; ``served``: also ask the servers of served models."""
+    from pairforge.pipeline.chain import enabled_steps
+
+    sources = dict.fromkeys(source for step in enabled_steps(cfg)
+                            for source in step.requirements(cfg).sources)
+    return [problem for source in sources if served or not isinstance(source, ServedModel)
+            for problem in source_problems(source)]
 
 
-# -- models --------------------------------------------------------------------------------
-
-def model_problems(cfg: PairforgeConfig) -> list[str]:
-    process = cfg.process
-    problems: list[str] = []
-    if process.tokenize.enabled:
-        problems += _tokenizer_problems(cfg)
-    rc = process.recaption
-    clip_grounding = rc.grounding.enabled and rc.grounding.backend == "clip"
-    # clip grounding and a CLIP embedding tier load the clip section's model
-    clip_tier = rc.cache.embedding_threshold is not None and rc.embedding_source == "clip"
-    if process.clip.enabled or (rc.enabled and (clip_grounding or clip_tier)):
-        problems += _clip_problems(process.clip)
-    if rc.enabled and rc.grounding.enabled and rc.grounding.backend == "detector":
-        problems += _detector_problems(rc.grounding.detector)
-    if rc.enabled and rc.backend == "transformers":
-        problems += _source_problems("process.recaption.model", rc.model,
-                                     [("config.json",), WEIGHT_FILES, PROCESSOR_FILES],
-                                     rc.revision)
-    if rc.enabled and rc.backend == "openai" and rc.openai.logit_bias_tokenizer:
-        problems += _source_problems("process.recaption.openai.logit_bias_tokenizer",
-                                     rc.openai.logit_bias_tokenizer, [TOKENIZER_FILES])
-    for i, entry in enumerate(process.classifiers):
-        problems += _classifier_problems(cfg, i, entry)
-    return problems
+def source_problems(source: ModelSource) -> list[str]:
+    """What would stop a step from loading ``source``, looked up on disk only."""
+    if isinstance(source, ModelFolder):
+        return _folder_problems(source)
+    if isinstance(source, OpenClipModel):
+        return _open_clip_problems(source)
+    if isinstance(source, ModelFile):
+        return _file_problems(source)
+    return _served_problems(source)
 
 
-def _detector_problems(detector: DetectorConfig) -> list[str]:
-    """An OWL-ViT/OWLv2 folder or cached hub id with weights and processor files; its
-    config.json names a model type the detector backend reads."""
-    key = "process.recaption.grounding.detector.model"
-    problems = list(_source_problems(key, detector.model,
-                                     [("config.json",), WEIGHT_FILES, PROCESSOR_FILES],
-                                     detector.revision))
-    if problems:
+def _folder_problems(source: ModelFolder) -> list[str]:
+    """The folder (or cached hub repo) holds one name of every group of ``files``; then
+    the source's own check reads its config.json."""
+    problems = list(_folder_files_problems(source.key, source.ref, source.files,
+                                           source.revision, source.hub))
+    if problems or source.check is None:  # a missing local path is no hub id to look up
         return problems
-    config = _config_json(detector.model, detector.revision)
-    if config is None:
-        return problems
-    from pairforge.recaption.detector import OWL_TYPES
+    config = _config_json(source.ref, source.revision)
+    return [] if config is None else _checked(source.key, config, source.check)
 
+
+def _file_problems(source: ModelFile) -> list[str]:
+    if not Path(source.path).expanduser().is_file():
+        return [f"{source.key}: {source.path} is not a file"]
+    return [] if source.check is None else _checked(source.key, source.path, source.check)
+
+
+def _checked(key: str, path: str, check: SourceCheck) -> list[str]:
     try:
-        model_type = json.loads(Path(config).read_text()).get("model_type")
-    except (OSError, ValueError) as err:
-        return [f"{key}: cannot read {config} ({_reason(err)})"]
-    if model_type not in OWL_TYPES:
-        return [f"{key}: {detector.model} is a {model_type} model, not an open-vocabulary "
-                f"detector this backend reads ({' or '.join(OWL_TYPES)}: e.g. "
-                "google/owlv2-base-patch16-ensemble)"]
-    return []
+        return check(path)
+    except (OSError, ValueError) as err:  # unreadable, or not what it should hold
+        return [f"{key}: cannot read {path} ({_reason(err)})"]
 
 
-def _classifier_problems(cfg: PairforgeConfig, i: int, entry: ClassifierConfig) -> list[str]:
-    """The model is there and has the label; a head file loads and takes the CLIP model's
-    embedding size. Only config files and the (small) head are read, never a model."""
-    key = f"process.classifiers[{i}] ({entry.name})"
-    if entry.backend == "clip-head":
-        return _head_problems(cfg, key, entry)
-    problems = list(_source_problems(f"{key}.model", entry.model,
-                                     [("config.json",), WEIGHT_FILES, PROCESSOR_FILES],
-                                     entry.revision))
-    if problems:  # a missing local path is no hub id to look up in the cache
-        return problems
-    config = _config_json(entry.model, entry.revision)
-    if config is None:
-        return problems
-    from pairforge.filters.classify import config_labels, label_index
-
-    try:
-        labels = config_labels(config)
-    except (OSError, ValueError) as err:  # unreadable, or not JSON
-        return [f"{key}.model: cannot read {config} ({_reason(err)})"]
-    try:
-        label_index(labels, entry.label, entry.model)
-    except ValueError as err:
-        return [f"{key}.label: {err}"]
-    return []
-
-
-def _config_json(ref: str, revision: str | None) -> str | None:
-    """A model's config.json: in its folder, or in the local hub cache."""
-    folder = Path(ref).expanduser()
-    if folder.is_dir():
-        return str(folder / "config.json")
-    from huggingface_hub import try_to_load_from_cache
-
-    found = try_to_load_from_cache(ref, "config.json", revision=revision)
-    return found if isinstance(found, str) else None
-
-
-def _head_problems(cfg: PairforgeConfig, key: str, entry: ClassifierConfig) -> list[str]:
-    from pairforge.filters.classify import load_head
-    from pairforge.filters.clip import clip_embed_dim
-
-    if not Path(entry.path).expanduser().is_file():
-        return [f"{key}.path: {entry.path} is not a file"]
-    try:
-        head = load_head(entry)
-    except Exception as err:  # noqa: BLE001 - a pickle, safetensors or layout error
-        return [f"{key}.path: cannot load a head from {entry.path} ({_reason(err)})"]
-    try:
-        dim = clip_embed_dim(cfg.process.clip)
-    except Exception:  # noqa: BLE001 - a bad clip model is reported by _clip_problems
-        dim = None
-    if dim is not None and dim != head.input_dim:
-        return [f"{key}.path: the head takes {head.input_dim}-dim embeddings but "
-                f"process.clip.model {cfg.process.clip.model} makes {dim}-dim ones; use the "
-                "head trained on this CLIP model's embeddings (README: classifiers)"]
-    return []
-
-
-def _tokenizer_problems(cfg: PairforgeConfig) -> list[str]:
-    from pairforge.tokenizers.vqvae import CONFIG_NAME, WEIGHTS_NAME  # imports torch
-
-    image, text = cfg.process.tokenize.image, cfg.process.tokenize.text
-    key = "process.tokenize.image.path_or_id"
-    if image.backend == "pairforge-vq":  # ours is a train-vq folder, never a hub id
-        problems = list(_source_problems(key, image.path_or_id,
-                                         [(CONFIG_NAME,), (WEIGHTS_NAME,)], hub=False))
-    else:
-        problems = list(_source_problems(key, image.path_or_id, [("config.json",), WEIGHT_FILES],
-                                         image.revision))
-    if text.backend == "hf" and text.path_or_id:
-        problems += _source_problems("process.tokenize.text.path_or_id", text.path_or_id,
-                                     [TOKENIZER_FILES], text.revision)
-    return problems
-
-
-def _looks_local(ref: str) -> bool:
-    """A path, not a hub id: hub ids have at most one slash and no leading dot or tilde."""
-    return ref.startswith(("/", ".", "~")) or ref.count("/") > 1
-
-
-def _source_problems(key: str, ref: str, needs: list[tuple[str, ...]],
-                     revision: str | None = None, hub: bool = True) -> Iterator[str]:
+def _folder_files_problems(key: str, ref: str, needs: tuple[tuple[str, ...], ...],
+                           revision: str | None = None, hub: bool = True) -> Iterator[str]:
     """``needs``: groups of file names; the folder (or cached hub repo) must hold one name of
     every group."""
     folder = Path(ref).expanduser()
@@ -382,6 +287,56 @@ def _source_problems(key: str, ref: str, needs: list[tuple[str, ...]],
         missing = [names for names in needs if not _in_hub_cache(ref, names, revision)]
         if missing:
             yield _not_cached(key, ref, revision, missing[0])
+
+
+def _open_clip_problems(source: OpenClipModel) -> list[str]:
+    """The name is one open_clip knows (or in the config path); the weights are a tag of
+    it cached from its hub repo, or a file."""
+    key = source.key
+    if source.model.startswith("hf-hub:"):  # open_clip reads config and weights from the repo
+        repo = source.model.removeprefix("hf-hub:")
+        return list(_folder_files_problems(f"{key}.model", repo,
+                                           (("open_clip_config.json",), OPEN_CLIP_WEIGHTS)))
+    import open_clip
+
+    problems, names = [], set(open_clip.list_models())
+    if source.model_config_path:
+        config = Path(source.model_config_path).expanduser()
+        if not config.exists():
+            problems.append(f"{key}.model_config_path: {config} does not exist")
+        names |= {p.stem for p in ([config] if config.is_file() else config.glob("*.json"))}
+    if source.model not in names:
+        problems.append(f"{key}.model: {source.model!r} is neither an open_clip model nor "
+                        f"in {key}.model_config_path")
+    pretrained = source.pretrained
+    if pretrained is None or Path(pretrained).expanduser().is_file():
+        return problems
+    if _looks_local(pretrained) or pretrained.endswith(CHECKPOINT_SUFFIXES):
+        problems.append(f"{key}.pretrained: {pretrained} is not a file")
+    elif source.model in names and not open_clip.get_pretrained_cfg(source.model, pretrained):
+        tags = open_clip.list_pretrained_tags_by_model(source.model)
+        problems.append(f"{key}.pretrained: {pretrained!r} is not a tag of {source.model} "
+                        f"(open_clip knows {', '.join(tags) or 'none'}) nor a file")
+    elif source.model in names:
+        problems += _clip_tag_cached(f"{key}.pretrained",
+                                     open_clip.get_pretrained_cfg(source.model, pretrained))
+    return problems
+
+
+def _config_json(ref: str, revision: str | None) -> str | None:
+    """A model's config.json: in its folder, or in the local hub cache."""
+    folder = Path(ref).expanduser()
+    if folder.is_dir():
+        return str(folder / "config.json")
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(ref, "config.json", revision=revision)
+    return found if isinstance(found, str) else None
+
+
+def _looks_local(ref: str) -> bool:
+    """A path, not a hub id: hub ids have at most one slash and no leading dot or tilde."""
+    return ref.startswith(("/", ".", "~")) or ref.count("/") > 1
 
 
 def _in_hub_cache(repo_id: str, names: tuple[str, ...], revision: str | None) -> bool:
@@ -404,37 +359,7 @@ def _not_cached(key: str, repo_id: str, revision: str | None, names: tuple[str, 
             f"here (HF_HUB_CACHE), or set {key} to {instead}")
 
 
-def _clip_problems(clip: ClipConfig) -> list[str]:
-    if clip.model.startswith("hf-hub:"):  # open_clip reads config and weights from the repo
-        repo = clip.model.removeprefix("hf-hub:")
-        return list(_source_problems("process.clip.model", repo,
-                                     [("open_clip_config.json",), OPEN_CLIP_WEIGHTS]))
-    import open_clip
-
-    problems, names = [], set(open_clip.list_models())
-    if clip.model_config_path:
-        config = Path(clip.model_config_path).expanduser()
-        if not config.exists():
-            problems.append(f"process.clip.model_config_path: {config} does not exist")
-        names |= {p.stem for p in ([config] if config.is_file() else config.glob("*.json"))}
-    if clip.model not in names:
-        problems.append(f"process.clip.model: {clip.model!r} is neither an open_clip model nor "
-                        "in process.clip.model_config_path")
-    pretrained = clip.pretrained
-    if pretrained is None or Path(pretrained).expanduser().is_file():
-        return problems
-    if _looks_local(pretrained) or pretrained.endswith(CHECKPOINT_SUFFIXES):
-        problems.append(f"process.clip.pretrained: {pretrained} is not a file")
-    elif clip.model in names and not open_clip.get_pretrained_cfg(clip.model, pretrained):
-        tags = open_clip.list_pretrained_tags_by_model(clip.model)
-        problems.append(f"process.clip.pretrained: {pretrained!r} is not a tag of {clip.model} "
-                        f"(open_clip knows {', '.join(tags) or 'none'}) nor a file")
-    elif clip.model in names:
-        problems += _clip_tag_cached(open_clip.get_pretrained_cfg(clip.model, pretrained))
-    return problems
-
-
-def _clip_tag_cached(tag: dict) -> list[str]:
+def _clip_tag_cached(key: str, tag: dict) -> list[str]:
     """open_clip fetches a tag's weights from its hub repo (every tag of open_clip 3 has one;
     a tag with a URL only is left to the loader)."""
     if not tag.get("hf_hub"):
@@ -445,7 +370,8 @@ def _clip_tag_cached(tag: dict) -> list[str]:
         names = (filename.removesuffix(".bin") + ".safetensors", filename)
     if _in_hub_cache(repo, names, None):
         return []
-    return [_not_cached("process.clip.pretrained", repo, None, names, "a checkpoint file")]
+    return [_not_cached(key, repo, None, names, "a checkpoint file")]
+
 
 
 # -- services ------------------------------------------------------------------------------
@@ -469,18 +395,15 @@ def ray_problems(cfg: PairforgeConfig) -> list[str]:
 
 
 
-def server_problems(cfg: PairforgeConfig) -> list[str]:
+def _served_problems(source: ServedModel) -> list[str]:
     """The OpenAI-compatible server answers ``GET {base_url}/models`` and lists the model."""
-    rc = cfg.process.recaption
-    if not (rc.enabled and rc.backend == "openai"):
-        return []
     import requests
 
-    url = rc.openai.base_url.rstrip("/") + "/models"
-    key = os.environ.get(rc.openai.api_key_env)
+    url = source.base_url.rstrip("/") + "/models"
+    key = os.environ.get(source.api_key_env)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    timeout = min(SERVER_TIMEOUT_S, rc.openai.timeout_s)
-    where = f"process.recaption.openai.base_url: {rc.openai.base_url}"
+    timeout = min(SERVER_TIMEOUT_S, source.timeout_s)
+    where = f"{source.url_key}: {source.base_url}"
     try:
         response = requests.get(url, headers=headers, timeout=timeout)
     except requests.Timeout:
@@ -491,14 +414,14 @@ def server_problems(cfg: PairforgeConfig) -> list[str]:
                 "or correct the URL"]
     if response.status_code != 200:
         return [f"{where}: GET /models answered HTTP {response.status_code}"
-                + (" (check the key in $" + rc.openai.api_key_env + ")"
+                + (" (check the key in $" + source.api_key_env + ")"
                    if response.status_code in (401, 403) else "")]
     try:
         served = [m["id"] for m in response.json()["data"]]
     except (ValueError, KeyError, TypeError):
         return [f"{where}: GET /models did not answer an OpenAI model list"]
-    if rc.model not in served:
-        return [f"process.recaption.model: {rc.model!r} is not served by {rc.openai.base_url} "
+    if source.model not in served:
+        return [f"{source.key}: {source.model!r} is not served by {source.base_url} "
                 f"(it serves {', '.join(repr(m) for m in served) or 'nothing'})"]
     return []
 

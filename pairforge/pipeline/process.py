@@ -5,9 +5,11 @@ streaming (pipeline/stream.py) places the steps on Ray Data, and each finished s
 to a writer task (pipeline/write.py). A shard is complete when its stats file exists; a
 rerun skips complete shards.
 
-CLIP's ``top_fraction`` mode runs the chain up to CLIP once over every shard to learn the
-threshold (the scores are cached per shard in ``OUT/clip``), then the whole chain with
-that threshold, reading the cached scores instead of running CLIP again.
+A step whose decisions need the whole stage first (a ``ScoringStep`` asking for a scoring
+pass) gets one before the writing pass: the chain up to it runs over every shard, its
+scores are cached per shard (a score file in ``SCORES_FOLDER``), and what it learns from
+them (per-shard states, merged) gives the config of the writing pass, which reads the
+cached scores instead of scoring again.
 """
 
 from __future__ import annotations
@@ -17,20 +19,17 @@ import time
 from typing import Any
 
 from pairforge.config import PairforgeConfig
-from pairforge.filters.basic import BasicFilterStep
-from pairforge.filters.classify import classifier_steps
-from pairforge.filters.clip import ClipStep
-from pairforge.pipeline.plan import plan_shards, score_threshold
+from pairforge.pipeline.chain import enabled_steps, stage_steps
+from pairforge.pipeline.entry import RunOptions, summarise
+from pairforge.pipeline.plan import plan_shards
 from pairforge.pipeline.preflight import check_model_sources
 from pairforge.pipeline.progress import StageDisplay, say
 from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.pipeline.runlog import log_shard, run_log
 from pairforge.pipeline.semantic_stage import run_semantic_dedup
 from pairforge.pipeline.settings import check_settings
-from pairforge.pipeline.stream import stream_shards
+from pairforge.pipeline.stream import map_scores, stream_shards
 from pairforge.pipeline.write import write_scores_task, write_shard_task
-from pairforge.recaption.choice import TrainingCaptionStep
-from pairforge.recaption.step import RecaptionStep
 from pairforge.shards.manifest import build_manifest, write_dataset_files
 from pairforge.shards.raw import completed_shards, stats_name
 from pairforge.shards.storage import (
@@ -40,75 +39,44 @@ from pairforge.shards.storage import (
     SHARDS_FOLDER,
     OutputDir,
 )
-from pairforge.stage import ModelStep, Step
-from pairforge.tokenizers.step import TokenizeStep
+from pairforge.stage import ModelStep, ScoringStep, Step, scoring_step
 
 
-def enabled_steps(cfg: PairforgeConfig) -> list[type[Step]]:
-    """The step chain, in order. A new step adds one line here and a config section."""
-    chain: list[tuple[bool, type[Step]]] = [
-        (cfg.process.basic.enabled, BasicFilterStep),
-        (cfg.process.clip.enabled, ClipStep),
-        # after the cheap filters and CLIP (a clip-head reads its embedding), before the
-        # recaption step, so dropped rows cost no generation
-        *((True, step) for step in classifier_steps(cfg)),
-        (cfg.process.recaption.enabled, RecaptionStep),
-        (True, TrainingCaptionStep),
-        (cfg.process.tokenize.enabled, TokenizeStep),
-    ]
-    return [step for enabled, step in chain if enabled]
-
-
-def _clip_stats(cfg: PairforgeConfig) -> dict[str, Any]:
-    clip = cfg.process.clip
-    if not clip.enabled:
-        return {}
-    stats: dict[str, Any] = {"clip_model": f"{clip.model}/{clip.pretrained}"}
-    if clip.mode == "threshold":
-        stats["clip_threshold"] = clip.threshold
-    return stats
-
-
-def _learn_clip_threshold(cfg: PairforgeConfig, out: OutputDir,
-                          steps: list[type[Step]]) -> PairforgeConfig:
-    """The scoring pass of ``top_fraction`` mode; returns the config with the threshold that
-    keeps that fraction of all scores, for the second pass."""
-    scoring = cfg.model_copy(deep=True)
-    scoring.process.clip.mode = "score_only"
-    # semantic dedup reads the embeddings of this pass (pipeline/semantic_stage.py), and
-    # clip-head classifiers read them in pass two (pipeline/stream.py), so no image is
-    # encoded twice
-    scoring.process.clip.save_embeddings |= (cfg.dedup.semantic.enabled
-                                             or cfg.process.uses_clip_embedding())
-    scoring.process.classifiers = []  # they run in pass two
-    # the threshold needs the scores only: later (costlier) steps wait for pass two
-    score_steps = steps[:steps.index(ClipStep) + 1]
-    stream_shards(scoring, out, plan_shards(out, cfg, SCORES_FOLDER), score_steps,
+def _learn_from_scores(cfg: PairforgeConfig, out: OutputDir, steps: list[type[Step]],
+                       scorer: type[ScoringStep]) -> tuple[PairforgeConfig, dict[str, Any]]:
+    """The scoring pass: the chain up to ``scorer`` (later, costlier steps wait for the
+    writing pass) over every shard; returns the config the writing pass runs under, with
+    what the step learned from every shard's scores, and the stats that record it."""
+    stream_shards(scorer.scoring_config(cfg, for_embeddings=False), out,
+                  plan_shards(out, cfg, SCORES_FOLDER), steps[:steps.index(scorer) + 1],
                   write_scores_task, {}, None)
-    resolved = cfg.model_copy(deep=True)
-    resolved.process.clip.mode = "threshold"
-    resolved.process.clip.threshold = score_threshold(out, cfg.process.clip.top_fraction)
-    return resolved
+    return scorer.learn(cfg, map_scores(out, cfg.output.storage_options, scorer.score_column,
+                                        cfg.ray.max_task_retries))
 
 
-def run_process(cfg: PairforgeConfig, show_progress: bool = True,
-                force: bool = False) -> dict[str, Any]:
+def _writer_drops(cfg: PairforgeConfig, steps: list[type[Step]]) -> tuple[str, ...]:
+    """The columns the last step drops before the writing pass's writer: the image (it
+    re-reads it) and an embedding it will not save (it served the steps only)."""
+    scorer = scoring_step(steps)
+    if scorer and scorer.embedding_column and not scorer.saves_embeddings(cfg):
+        return ("image", scorer.embedding_column)
+    return ("image",)
+
+
+def run_process(cfg: PairforgeConfig, run: RunOptions) -> dict[str, Any]:
     """Stage 3 over every complete raw shard that has no complete output shard made under
-    these settings (``force``: redo the shards made under others; else they stop it)."""
+    these settings (``run.force``: redo the shards made under others; else they stop it)."""
     check_model_sources(cfg)
-    check_settings(cfg, ("process",), force)
+    check_settings(cfg, ("process",), run)
     with run_log(cfg, "process") as log:
-        return {**_process(cfg, show_progress, log), "log": log}
+        return {**_process(cfg, run.show_progress, log), "log": log}
 
 
 def _step_line(step: type[Step], cfg: PairforgeConfig) -> str:
     """A step as the start-up line names it: the model and the actors that load it."""
     if not issubclass(step, ModelStep):
         return step.name
-    models = {"clip": cfg.process.clip.model, "recaption": cfg.process.recaption.model,
-              "tokenize": (cfg.process.tokenize.image.path_or_id
-                           if cfg.process.tokenize.image else None)}
-    model = models.get(step.name)
+    model = step.requirements(cfg).display
     size = step.pool_config(cfg).pool_size
     return f"{step.name} ({model + ' on ' if model else ''}{size} actor{'s' * (size != 1)})"
 
@@ -123,12 +91,13 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
     say("process: steps " + ", ".join(_step_line(s, cfg) for s in steps)
         + "; each actor loads its model before the first batch…")
     started = time.time()
-    stats_extra: dict[str, Any] = {"stage": "process", "steps": [s.name for s in steps],
-                                   **_clip_stats(cfg)}
-    if cfg.process.clip.enabled and cfg.process.clip.mode == "top_fraction":
-        cfg = _learn_clip_threshold(cfg, out, steps)
-        stats_extra["clip_threshold"] = cfg.process.clip.threshold
-        stats_extra["clip_top_fraction"] = cfg.process.clip.top_fraction
+    stats_extra: dict[str, Any] = {"stage": "process", "steps": [s.name for s in steps]}
+    for step in steps:
+        stats_extra.update(step.stage_stats(cfg))
+    scorer = scoring_step(steps)
+    if scorer is not None and scorer.needs_scoring_pass(cfg):
+        cfg, learned = _learn_from_scores(cfg, out, steps, scorer)
+        stats_extra.update(learned)
     if cfg.dedup.semantic.enabled:
         semantic = run_semantic_dedup(cfg, out, steps)
         stats_extra["semantic_dedup"] = {k: v for k, v in semantic.items()
@@ -142,16 +111,15 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
         for step in steps:
             scope.enter_context(step.build_scope(cfg))
         with display:
-            stream_shards(cfg, out, plans, steps, write_shard_task, stats_extra, display)
+            stream_shards(cfg, out, plans, steps, write_shard_task, stats_extra, display,
+                          _writer_drops(cfg, steps))
     for plan in plans:
         log_shard(out, SHARDS_FOLDER, out.read_json(SHARDS_FOLDER, stats_name(plan.shard_id)))
     # a writer attempt lost with its node leaves its temporary file; its retry wrote the shard
     for folder in (SHARDS_FOLDER, SCORES_FOLDER, EMBEDDINGS_FOLDER):
         out.remove_temporaries(folder)
     seconds = time.time() - started
-    from pairforge.pipeline.runner import summarise
-
-    manifest = build_manifest(out, cfg)
+    manifest = build_manifest(out, cfg, stage_steps(cfg))
     manifest["log"] = log  # this run's log file, relative to OUT (each stage run has one)
     write_dataset_files(out, manifest)
     summary = summarise(out, SHARDS_FOLDER, all_ids)

@@ -1,12 +1,14 @@
 """Stage 3's optional semantic dedup pass (``dedup.semantic``) on Ray.
 
-It needs every row's CLIP image embedding before any training shard is written, so it
-runs between CLIP's scoring pass (the one ``top_fraction`` mode uses: steps up to CLIP,
-scores in ``OUT/clip``, embeddings in ``OUT/embeddings``) and the writing pass:
+It needs every row's image embedding before any training shard is written, so it runs
+between the scoring pass of the chain's scoring step (CLIP's, the one its ``top_fraction``
+mode uses: steps up to it, scores in ``OUT/clip``, embeddings in ``OUT/embeddings``) and
+the writing pass. It asks that step (pairforge/stage.py's ``ScoringStep``) for the pass,
+its columns and the score it keeps rows at:
 
 1. the scoring pass runs over the shards that have no score file or no embeddings yet;
-2. one Ray task per shard reads its embeddings, keeps the rows CLIP would keep (score at or
-   above the threshold, when CLIP filters: a survivor dropped later for its score would
+2. one Ray task per shard reads its embeddings, keeps the rows the step would keep (score
+   at or above its cut, when it filters: a survivor dropped later for its score would
    take its duplicates with it) and their original sizes (the survivor rule's input);
 3. k-means runs on the driver (BLAS), then the pair search runs as Ray tasks over
    balanced groups of clusters, sharing one copy of the embeddings (``filters/semantic``);
@@ -31,8 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pairforge.config import PairforgeConfig
-from pairforge.filters.clip import ClipStep
+from pairforge.config import ConfigError, PairforgeConfig
 from pairforge.filters.semantic import (
     SEMANTIC_SCHEMA,
     PairsMapper,
@@ -53,7 +54,7 @@ from pairforge.shards.storage import (
     OutputDir,
 )
 from pairforge.shards.training import read_embeddings
-from pairforge.stage import Step
+from pairforge.stage import ScoringStep, Step, scoring_step
 
 SEMANTIC_FILE = "semantic.parquet"
 SEMANTIC_STATS = "semantic_stats.json"
@@ -61,9 +62,10 @@ _READ_CPUS = 0.5
 _PAIR_CPUS = 1
 
 
-def embedded_rows(out_url: str, storage_options: dict, shard_id: int,
+def embedded_rows(out_url: str, storage_options: dict, shard_id: int, score: str,
                   threshold: float | None) -> tuple[pa.Table, np.ndarray]:
-    """(key, area) of a shard's embedded rows that CLIP keeps, and their embeddings."""
+    """(key, area) of a shard's embedded rows that the scoring step keeps (its ``score``
+    column at or above ``threshold``), and their embeddings."""
     out = OutputDir(out_url, storage_options)
     name = shard_name(shard_id)
     saved = read_embeddings(out, shard_id)
@@ -72,9 +74,9 @@ def embedded_rows(out_url: str, storage_options: dict, shard_id: int,
                         ), np.zeros((0, 0), np.float32)
     keys, vectors = saved
     with out.fs.open(out.path(SCORES_FOLDER, f"{name}.parquet"), "rb") as f:
-        scores = pq.read_table(f, columns=["key", "status", "clip_score"]).to_pylist()
+        scores = pq.read_table(f, columns=["key", "status", score]).to_pylist()
     kept = {r["key"] for r in scores if r["status"] == Status.OK and (
-        threshold is None or (r["clip_score"] is not None and r["clip_score"] >= threshold))}
+        threshold is None or (r[score] is not None and r[score] >= threshold))}
     raw = read_raw(out, shard_id, ["key", "original_width", "original_height"]).to_pylist()
     area = {r["key"]: (r["original_width"] or 0) * (r["original_height"] or 0) for r in raw}
     rows = [i for i, k in enumerate(keys) if k in kept]
@@ -99,12 +101,17 @@ def ray_pairs_mapper(retries: int) -> PairsMapper:
     return run
 
 
-def _score_threshold(cfg: PairforgeConfig) -> float | None:
-    clip = cfg.process.clip
-    return clip.threshold if clip.mode == "threshold" else None
+def _embedding_step(steps: list[type[Step]]) -> type[ScoringStep]:
+    """The chain's step whose scoring pass keeps image embeddings."""
+    scorer = scoring_step(steps)
+    if scorer is None or scorer.embedding_column is None:
+        raise ConfigError("dedup.semantic compares image embeddings, and no step of this "
+                          "chain makes them: set process.clip.enabled")
+    return scorer
 
 
-def _inputs_digest(out: OutputDir, cfg: PairforgeConfig, shard_ids: list[int]) -> str:
+def _inputs_digest(out: OutputDir, cfg: PairforgeConfig, shard_ids: list[int],
+                   cut: float | None) -> str:
     files = []
     for shard_id in shard_ids:
         name = f"{shard_name(shard_id)}.npy"
@@ -113,7 +120,7 @@ def _inputs_digest(out: OutputDir, cfg: PairforgeConfig, shard_ids: list[int]) -
     # the stage's settings (CLIP model files included): new embeddings of the same size
     blob = json.dumps({"settings": settings_digest(stage_settings(cfg, "process")),
                        "config": cfg.dedup.semantic.model_dump(mode="json"),
-                       "score_threshold": _score_threshold(cfg), "embeddings": files},
+                       "score_threshold": cut, "embeddings": files},
                       sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -124,32 +131,32 @@ def _scored_shards(out: OutputDir) -> set[int]:
     return {s for s in scored if out.exists(EMBEDDINGS_FOLDER, f"{shard_name(s)}.npy")}
 
 
-def _embed_missing(cfg: PairforgeConfig, out: OutputDir, steps: list[type[Step]]) -> None:
-    """CLIP's scoring pass (embeddings kept) over the shards without scores or embeddings.
+def _embed_missing(cfg: PairforgeConfig, out: OutputDir, steps: list[type[Step]],
+                   scorer: type[ScoringStep]) -> None:
+    """The scoring pass (embeddings kept) over the shards without scores or embeddings.
 
-    A score file without embeddings goes first: the CLIP step does not encode a row whose
-    score is cached, so its embedding would never be written."""
+    A score file without embeddings goes first: the scoring step does not encode a row
+    whose score is cached, so its embedding would never be written."""
     missing = completed_shards(out, RAW_FOLDER) - _scored_shards(out)
     if not missing:
         return
     plans = [p for p in plan_shards(out, cfg, SCORES_FOLDER) if p.shard_id in missing]
     for plan in plans:
         out.remove(SCORES_FOLDER, f"{shard_name(plan.shard_id)}.parquet")
-    scoring = cfg.model_copy(deep=True)
-    scoring.process.clip.mode = "score_only"
-    scoring.process.clip.save_embeddings = True
-    score_steps = steps[:steps.index(ClipStep) + 1]
-    stream_shards(scoring, out, plans, score_steps, write_scores_task, {}, None)
+    stream_shards(scorer.scoring_config(cfg, for_embeddings=True), out, plans,
+                  steps[:steps.index(scorer) + 1], write_scores_task, {}, None)
 
 
 def run_semantic_dedup(cfg: PairforgeConfig, out: OutputDir, steps: list[type[Step]]
                        ) -> dict[str, Any]:
     """Embed what is missing, decide the semantic duplicates, write them; the stats."""
     semantic = cfg.dedup.semantic
+    scorer = _embedding_step(steps)
+    cut = scorer.score_cut(cfg)
     out.makedirs(SCORES_FOLDER)
-    _embed_missing(cfg, out, steps)
+    _embed_missing(cfg, out, steps, scorer)
     shard_ids = sorted(_scored_shards(out))
-    digest = _inputs_digest(out, cfg, shard_ids)
+    digest = _inputs_digest(out, cfg, shard_ids, cut)
     if out.exists(DEDUP_FOLDER, SEMANTIC_STATS):
         finished = out.read_json(DEDUP_FOLDER, SEMANTIC_STATS)
         if finished.get("inputs_digest") == digest:
@@ -158,8 +165,8 @@ def run_semantic_dedup(cfg: PairforgeConfig, out: OutputDir, steps: list[type[St
     import ray
 
     read = ray.remote(num_cpus=_READ_CPUS, max_retries=cfg.ray.max_task_retries)(embedded_rows)
-    parts = ray.get([read.remote(out.url, cfg.output.storage_options, s, _score_threshold(cfg))
-                     for s in shard_ids])
+    parts = ray.get([read.remote(out.url, cfg.output.storage_options, s, scorer.score_column,
+                                 cut) for s in shard_ids])
     parts = [(t, v) for t, v in parts if t.num_rows]
     rows = pa.concat_tables([pa.table({"key": pa.array([], pa.string()),
                                        "area": pa.array([], pa.int64())}),
@@ -180,7 +187,7 @@ def run_semantic_dedup(cfg: PairforgeConfig, out: OutputDir, steps: list[type[St
     out.makedirs(DEDUP_FOLDER)
     with out.open_atomic(DEDUP_FOLDER, SEMANTIC_FILE) as f:
         pq.write_table(table, f)
-    stats = {"stage": "semantic_dedup", **stats, "score_threshold": _score_threshold(cfg),
+    stats = {"stage": "semantic_dedup", **stats, "score_threshold": cut,
              "inputs_digest": digest,
              "seconds": {**stats.get("seconds", {}), "read": round(read_s, 3),
                          "total": round(time.perf_counter() - started, 3)}}

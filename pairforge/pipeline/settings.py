@@ -10,14 +10,17 @@ those shards instead.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError, PairforgeConfig
+from pairforge.pipeline.entry import RunOptions
 from pairforge.shards.raw import completed_shards, shard_name, stats_name
 from pairforge.shards.storage import (
     EMBEDDINGS_FOLDER,
@@ -26,14 +29,15 @@ from pairforge.shards.storage import (
     SHARDS_FOLDER,
     OutputDir,
 )
+from pairforge.stage import setting_values
 
-# Config sections that decide each stage's bytes.
-STAGE_SECTIONS = {"download": ("input", "download"), "process": ("dedup", "process")}
-# Leaf names that change speed or politeness, not what is written.
-PERFORMANCE_KEYS = {"threads", "image_threads", "processes", "per_host_connections",
-                    "timeout", "retries", "backoff", "max_retry_after", "user_agent_token",
-                    "pool_size", "batch_size", "num_cpus", "num_gpus", "resources", "torch_threads",
-                    "concurrency", "timeout_s", "workers", "storage_options"}
+# Stage 1's settings: its config sections, less what changes speed or politeness (not
+# what is written). Stage 3's are its own sections' and each step's (Step.requirements).
+DOWNLOAD_SECTIONS = {"input": ("storage_options",),
+                     "download": ("threads", "image_threads", "processes",
+                                  "per_host_connections", "timeout", "retries", "backoff",
+                                  "max_retry_after", "user_agent_token")}
+PROCESS_SECTIONS = ("dedup", "process.tasks")  # the dedup decisions; the writer's task labels
 # The version of what each stage writes for given settings. Bump it with any change that
 # makes a stage write other bytes under the same settings (tests/test_golden.py fails on
 # such a change), so that reruns redo the shards an older pairforge wrote.
@@ -42,35 +46,11 @@ PERFORMANCE_KEYS = {"threads", "image_threads", "processes", "per_host_connectio
 # process 2: the wider attribute rule and constrained decoding (issue 20)
 # process 3: an attribute adjective left without its noun is the person (issue 20)
 OUTPUT_VERSIONS = {"download": 4, "process": 3}
-# Config keys naming model files whose bytes decide stage-3 output.
-MODEL_KEYS = ("process.clip.pretrained", "process.clip.model_config_path",
-              "process.recaption.model", "process.recaption.grounding.detector.model",
-              "process.tokenize.image.path_or_id", "process.tokenize.text.path_or_id")
-_DETECTOR_KEYS = ("process.recaption.grounding.backend", "process.recaption.grounding.detector.")
 _SAMPLE_BYTES = 1 << 20  # a model file is fingerprinted by its size and its ends
 
 
 class SettingsChanged(ConfigError):
     """Complete shards were made under other settings than this run's."""
-
-
-def _named_entries(value: Any) -> bool:
-    """A list of named sections (process.classifiers): flattened by name, so speed keys in
-    them are left out like anywhere else and a changed key is named."""
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(v, dict) and "name" in v for v in value))
-
-
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if _named_entries(value):
-        value = {entry["name"]: entry for entry in value}
-    if isinstance(value, dict):
-        flat: dict[str, Any] = {}
-        for key, inner in value.items():
-            if key not in PERFORMANCE_KEYS:
-                flat.update(_flatten(inner, f"{prefix}{key}."))
-        return flat
-    return {prefix.rstrip("."): value}
 
 
 def file_fingerprint(path: Path) -> str:
@@ -92,28 +72,26 @@ def file_fingerprint(path: Path) -> str:
 
 def stage_settings(cfg: PairforgeConfig, stage: str) -> dict[str, Any]:
     """``{dotted key: value}`` of what decides the stage's bytes, model files included."""
-    dumped = cfg.model_dump(mode="json")
     values: dict[str, Any] = {"output_version": OUTPUT_VERSIONS[stage]}
-    for section in STAGE_SECTIONS[stage]:
-        values.update(_flatten(dumped[section], f"{section}."))
-    if stage == "process":
-        # no classifiers is what shards made before they existed had: same digest
-        if values.get("process.classifiers") == []:
-            del values["process.classifiers"]
-        # the clip backend is what shards made before the detector existed had: same digest
-        if values.get("process.recaption.grounding.backend") == "clip":
-            values = {k: v for k, v in values.items() if not k.startswith(_DETECTOR_KEYS)}
-        for key in (*MODEL_KEYS, *_classifier_model_keys(values)):
-            path = values.get(key)
-            if isinstance(path, str) and path and Path(path).exists():
-                values[f"{key}#files"] = file_fingerprint(Path(path))
+    if stage == "download":
+        for section, speed in DOWNLOAD_SECTIONS.items():
+            values.update(setting_values(getattr(cfg, section), f"{section}.", speed))
+        return values
+    for section in PROCESS_SECTIONS:
+        config = functools.reduce(getattr, section.split("."), cfg)
+        values.update(setting_values(config, f"{section}."))
+    from pairforge.pipeline.chain import stage_steps
+
+    files: dict[str, str | None] = {}
+    for step in stage_steps(cfg):
+        needs = step.requirements(cfg)
+        values.update(needs.settings)
+        for source in needs.sources:
+            files.update(source.local_files())
+    for key, path in files.items():
+        if isinstance(path, str) and path and Path(path).exists():
+            values[f"{key}#files"] = file_fingerprint(Path(path))
     return values
-
-
-def _classifier_model_keys(values: dict[str, Any]) -> list[str]:
-    """process.classifiers.NAME.model (a local folder) and .path (a head file)."""
-    return [k for k in values if k.startswith("process.classifiers.")
-            and k.endswith((".model", ".path"))]
 
 
 def settings_digest(values: dict[str, Any]) -> str:
@@ -213,19 +191,32 @@ def drop_stale_scores(out: OutputDir, cfg: PairforgeConfig, raw_digest: str | No
         out.remove(EMBEDDINGS_FOLDER, f"{name}_keys.json")
 
 
-def check_settings(cfg: PairforgeConfig, stages: tuple[str, ...], force: bool = False) -> None:
+def check_settings(cfg: PairforgeConfig, stages: tuple[str, ...],
+                   run: RunOptions) -> RunOptions:
     """Before any work: every complete shard the stages would skip was made under this
-    run's settings, or (``force``) it is marked incomplete and redone. All changes of all
-    stages are named in one message."""
+    run's settings, or (``run.force``) it is marked incomplete and redone. All changes of
+    all stages are named in one message. Stages this run has checked already
+    (``run.checked``) are not read again: returns ``run`` with these stages added, so a run
+    that checks every stage up front (``pairforge build``) checks each once."""
+    stages = tuple(s for s in stages if s not in run.checked)
+    if not stages:
+        return run
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     checks: list[Check] = []
     if "download" in stages:
         checks.append(("download", RAW_FOLDER, download_expected(out, cfg)))
+    raw_digest = None
     if "process" in stages:
-        raw_digest = (settings_digest(stage_settings(cfg, "download"))
-                      if "download" in stages else None)
-        done = completed_shards(out, SHARDS_FOLDER) & completed_shards(out, RAW_FOLDER)
+        done = completed_shards(out, SHARDS_FOLDER)
+        if "download" in stages:
+            # stage 1 runs first and remakes every raw shard it lacks under these settings:
+            # a training shard is checked against them even where its raw shard is missing
+            # now (a forced stage 1 stopped before redoing it), not skipped unchecked
+            raw_digest = settings_digest(stage_settings(cfg, "download"))
+        else:
+            done &= completed_shards(out, RAW_FOLDER)
         checks.append(("process", SHARDS_FOLDER, process_expected(out, cfg, done, raw_digest)))
-    check_rerun(out, checks, force)
+    check_rerun(out, checks, run.force)
     if "process" in stages:
         drop_stale_scores(out, cfg, raw_digest)
+    return replace(run, checked=run.checked | set(stages))

@@ -4,15 +4,17 @@ handed to a writer task.
 Rows to process (ok after download and dedup) stream from the raw shards through the
 steps with Ray Data's backpressure; model steps are actor pools. Only small result columns
 come back to the driver (never images): the writer task re-reads the images from the raw
-tar, so results do not cross the cluster twice.
+tar, so results do not cross the cluster twice. A shard a scoring pass scored comes with
+the scoring step's cached columns (pairforge/stage.py's ``ScoringStep``).
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -26,7 +28,7 @@ from pairforge.records import STEP_INPUT_COLUMNS, Status
 from pairforge.shards.raw import shard_name
 from pairforge.shards.storage import RAW_FOLDER, SCORES_FOLDER, OutputDir
 from pairforge.shards.training import read_embeddings, read_raw_images
-from pairforge.stage import SECONDS_PREFIX, Step
+from pairforge.stage import SECONDS_PREFIX, ScoreMap, Step, scoring_step
 
 # (config, plan, the steps' results for the shard, stats for every shard, the step chain)
 Writer = Callable[[PairforgeConfig, ShardPlan, pa.Table, dict[str, Any], list[type[Step]]],
@@ -38,11 +40,56 @@ def read_raw(out: OutputDir, shard_id: int, columns: list[str] | None = None) ->
         return pq.read_table(f, columns=columns)
 
 
-def _cached_scores(out: OutputDir, shard_id: int) -> pa.Table | None:
-    if not out.exists(SCORES_FOLDER, f"{shard_name(shard_id)}.parquet"):
+def scored_shards(out: OutputDir) -> list[int]:
+    """The shards a scoring pass has scored: those with a score file."""
+    return sorted(int(name.split(".")[0]) for name in out.glob(f"{SCORES_FOLDER}/*.parquet"))
+
+
+# Shards per task of a map over score files: a few MB of scores, one task's start-up.
+_SHARDS_PER_SCORE_TASK = 16
+
+
+def _apply_to_scores(out_url: str, storage_options: dict, shard_ids: list[int], column: str,
+                     fn: Callable[[np.ndarray], Any]) -> Any:
+    out = OutputDir(out_url, storage_options)
+    parts = [read_scores(out, s, [column]) for s in shard_ids]
+    values = [p[column].drop_null().to_numpy() for p in parts if p is not None]
+    return fn(np.concatenate(values) if values else np.zeros(0, np.float32))
+
+
+def map_scores(out: OutputDir, storage_options: dict, column: str, retries: int) -> ScoreMap:
+    """``over_scores`` for a scoring step's ``learn``: ``fn`` runs in Ray tasks over groups
+    of score files, at most two tasks per CPU in flight, and its results are yielded as
+    the tasks finish, so the driver never holds the scores."""
+
+    def run(fn: Callable[[np.ndarray], Any]) -> Iterator[Any]:
+        import ray
+
+        task = ray.remote(num_cpus=1, max_retries=retries)(_apply_to_scores)
+        ids = scored_shards(out)
+        groups = [ids[i:i + _SHARDS_PER_SCORE_TASK]
+                  for i in range(0, len(ids), _SHARDS_PER_SCORE_TASK)]
+        limit = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+        pending: list[Any] = []
+        for group in groups:
+            if len(pending) >= limit:
+                done, pending = ray.wait(pending, num_returns=1)
+                yield ray.get(done[0])
+            pending.append(task.remote(out.url, storage_options, group, column, fn))
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            yield ray.get(done[0])
+
+    return run
+
+
+def read_scores(out: OutputDir, shard_id: int, columns: list[str]) -> pa.Table | None:
+    """A shard's score file (the scoring pass's), or None when it has none."""
+    name = f"{shard_name(shard_id)}.parquet"
+    if not out.exists(SCORES_FOLDER, name):
         return None
-    with out.fs.open(out.path(SCORES_FOLDER, f"{shard_name(shard_id)}.parquet"), "rb") as f:
-        return pq.read_table(f, columns=["key", "clip_score"])
+    with out.fs.open(out.path(SCORES_FOLDER, name), "rb") as f:
+        return pq.read_table(f, columns=columns)
 
 
 def _cached_embeddings(out: OutputDir, shard_id: int, keys: list[str]) -> pa.Array:
@@ -54,11 +101,11 @@ def _cached_embeddings(out: OutputDir, shard_id: int, keys: list[str]) -> pa.Arr
 
 
 def load_rows(batch: pa.Table, out_url: str, storage_options: dict,
-              with_embeddings: bool = False) -> pa.Table:
+              score: str | None = None, embedding: str | None = None) -> pa.Table:
     """Ray Data map: (shard id, its duplicate keys) in, the rows the steps must process out
     (with images). Each shard's parquet and tar are read once here. A shard the scoring
-    pass scored comes with its cached scores and, when a step reads them
-    (``with_embeddings``), its cached embeddings: CLIP encodes no image twice."""
+    pass scored comes with its cached ``score`` column and, when a step reads it, the
+    ``embedding`` column of its saved embeddings: no image is encoded twice."""
     out = OutputDir(out_url, storage_options)
     tables = []
     for shard_id, duplicates in zip(batch["shard"].to_pylist(),
@@ -72,32 +119,35 @@ def load_rows(batch: pa.Table, out_url: str, storage_options: dict,
         rows = rows.append_column("image", pa.array(
             [images[k][1] for k in rows["key"].to_pylist()], pa.binary()))
         rows = rows.append_column("shard", pa.array([shard_id] * rows.num_rows, pa.int32()))
-        scores = _cached_scores(out, shard_id)
+        scores = read_scores(out, shard_id, ["key", score]) if score else None
         if scores is not None:
-            lookup = dict(zip(scores["key"].to_pylist(), scores["clip_score"].to_pylist(),
+            lookup = dict(zip(scores["key"].to_pylist(), scores[score].to_pylist(),
                               strict=True))
-            rows = rows.append_column("clip_score", pa.array(
+            rows = rows.append_column(score, pa.array(
                 [lookup.get(k) for k in rows["key"].to_pylist()], pa.float32()))
-            if with_embeddings:
-                rows = rows.append_column("clip_embedding", _cached_embeddings(
+            if embedding:
+                rows = rows.append_column(embedding, _cached_embeddings(
                     out, shard_id, rows["key"].to_pylist()))
         tables.append(rows)
     return pa.concat_tables(tables, promote_options="permissive")
 
 
-def _dropped_after(cfg: PairforgeConfig) -> tuple[str, ...]:
-    """Columns the last step drops: the writer re-reads the image, and an embedding kept
-    only for the clip-head classifiers has served once they ran."""
-    process = cfg.process
-    heads_only = process.clip.enabled and process.uses_clip_embedding() and not (
-        process.clip.save_embeddings)
-    return ("image", "clip_embedding") if heads_only else ("image",)
+def _cached_columns(steps: list[type[Step]]) -> tuple[str | None, str | None]:
+    """(score, embedding): the scoring step's columns to read back; its embedding only
+    where a later step reads it."""
+    scorer = scoring_step(steps)
+    if scorer is None:
+        return None, None
+    embedding = scorer.embedding_column
+    read = embedding is not None and any(embedding in s.requires for s in steps)
+    return scorer.score_column, embedding if read else None
 
 
 def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
                   steps: list[type[Step]], writer: Writer, stats_extra: dict[str, Any],
-                  display: StageDisplay | None) -> None:
-    """Run the step chain over the planned shards, handing each full shard to ``writer``."""
+                  display: StageDisplay | None, drop: tuple[str, ...] = ("image",)) -> None:
+    """Run the step chain over the planned shards, handing each full shard to ``writer``;
+    ``drop``: the columns the last step drops (the writer re-reads the image)."""
     import ray
 
     quiet_ray_data()
@@ -126,9 +176,9 @@ def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
                                   for p in todo], override_num_blocks=len(todo))
         ds = ds.map_batches(load_rows, batch_size=1, batch_format="pyarrow", num_cpus=TASK_CPUS,
                             fn_args=(out.url, cfg.output.storage_options,
-                                     cfg.process.uses_clip_embedding()))
+                                     *_cached_columns(steps)))
         actor_cpus = fit_actor_cpus(steps, cfg, ray.cluster_resources().get("CPU", 1.0))
-        ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=_dropped_after(cfg))
+        ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=drop)
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             for step in steps:
                 column = SECONDS_PREFIX + step.name

@@ -1,6 +1,6 @@
 """Stage 3, writing: one task per finished shard joins the raw rows, the dedup decisions
-and the steps' results, and writes the training shard (or, in CLIP's scoring pass, the
-score file). The stats file is written last: it marks the shard complete.
+and the steps' results, and writes the training shard (or, in a scoring pass, the score
+file). The stats file is written last: it marks the shard complete.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pairforge.records import (
 from pairforge.shards.raw import shard_name
 from pairforge.shards.storage import SCORES_FOLDER, OutputDir
 from pairforge.shards.training import final_rows, write_embeddings, write_training_shard
-from pairforge.stage import SECONDS_PREFIX, Step, step_stats
+from pairforge.stage import SECONDS_PREFIX, ScoringStep, Step, scoring_step, step_stats
 
 
 def provided_columns(steps: list[type[Step]]) -> dict[str, pa.DataType]:
@@ -59,19 +59,22 @@ def write_shard_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
     schema = pa.schema([*raw.schema, *process_fields(provided_columns(steps))])
     meta = (SAMPLE_FIELDS + classifier_fields(cfg)
             + (TOKEN_FIELDS if "n_image_tokens" in schema.names else []))
+    saves = any(issubclass(s, ScoringStep) and s.saves_embeddings(cfg) for s in steps)
     return write_training_shard(out, plan.shard_id, rows, schema, meta, stats,
-                                cfg.process.tasks, cfg.writing_pass_saves_embeddings())
+                                cfg.process.tasks, saves)
 
 
 def write_scores_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
                       stats_extra: dict[str, Any], steps: list[type[Step]]) -> dict[str, Any]:
-    """CLIP's scoring pass: the scores (and embeddings) of a shard, no training shard."""
+    """A scoring pass: the scoring step's scores (and embeddings) of a shard, no training
+    shard."""
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(SCORES_FOLDER)
-    table = results.select(["key", "status", "clip_score"])
-    if "clip_embedding" in results.column_names:
+    scorer = scoring_step(steps)
+    table = results.select(["key", "status", scorer.score_column])
+    if scorer.embedding_column in results.column_names:
         write_embeddings(out, plan.shard_id, table["key"].to_pylist(),
-                         results["clip_embedding"].to_pylist())
+                         results[scorer.embedding_column].to_pylist())
     # The score file is the completion marker of this pass, so it is written last; it names
     # the settings it was made under (a rerun under others drops it: drop_stale_scores).
     table = table.replace_schema_metadata(

@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from pairforge.config import PairforgeConfig
 from pairforge.records import process_columns
-from pairforge.stage import Step, StepResult
+from pairforge.stage import Requirements, Step, StepResult, setting_values
 
 
 def training_caption(choice: str, share: float, seed: int, key: str, original: str | None,
@@ -33,6 +33,10 @@ class TrainingCaptionStep(Step):
     name = "training_caption"
     requires = ("key", "caption")  # and ``recaption`` when the recaption step runs
     provides = process_columns("caption_source", "train_caption")
+
+    @classmethod
+    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+        return Requirements(settings=setting_values(cfg.process.tasks, "process.tasks."))
 
     def __init__(self, cfg: PairforgeConfig) -> None:
         super().__init__(cfg)

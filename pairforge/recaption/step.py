@@ -16,8 +16,10 @@ after this step, in recaption/choice.py.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,7 +27,7 @@ import pyarrow as pa
 from PIL import Image
 
 from pairforge.config import ModelPoolConfig, PairforgeConfig
-from pairforge.filters.clip import ClipScorer
+from pairforge.filters.clip import ClipScorer, clip_source
 from pairforge.images import decode_rgb, model_device
 from pairforge.recaption.cache import (
     CachedCaption,
@@ -36,14 +38,78 @@ from pairforge.recaption.cache import (
 )
 from pairforge.recaption.checked import CheckedCaptioner
 from pairforge.recaption.claims import REGISTRY_PREFIX, find_registry, start_registry
+from pairforge.recaption.detector import OWL_TYPES
 from pairforge.records import process_columns
-from pairforge.stage import ModelStep, StepResult
+from pairforge.stage import (
+    TOKENIZER_FILES,
+    TRANSFORMERS_FILES,
+    ModelFile,
+    ModelFolder,
+    ModelSource,
+    ModelStep,
+    Requirements,
+    ServedModel,
+    StepResult,
+    setting_values,
+)
 
 WAIT_FOR_CLAIMANT_S = 600.0
+# what changes how fast a server answers, not what it writes
+SERVER_SPEED_KEYS = ("openai.concurrency", "openai.timeout_s", "openai.retries")
+DETECTOR_KEYS = ("grounding.backend", "grounding.detector")
 
 
 def registry_name(cfg: PairforgeConfig) -> str:
     return REGISTRY_PREFIX + build_id(cfg)
+
+
+def recaption_sources(cfg: PairforgeConfig) -> tuple[ModelSource, ...]:
+    """The captioner (a model folder or hub id, or a served model), the served model's
+    tokenizer for logit_bias, the grounding model (the clip section's, which the CLIP
+    embedding tier of the cache also loads, or a detector) and the word lists."""
+    rc = cfg.process.recaption
+    key = "process.recaption"
+    sources: list[ModelSource] = []
+    if rc.backend == "transformers":
+        sources.append(ModelFolder(f"{key}.model", rc.model, TRANSFORMERS_FILES, rc.revision))
+    else:
+        sources.append(ServedModel(f"{key}.model", rc.model, rc.openai.base_url,
+                                   f"{key}.openai.base_url", rc.openai.api_key_env,
+                                   rc.openai.timeout_s))
+        if rc.openai.logit_bias_tokenizer:
+            # not fingerprinted: shards record it by name, as they always did
+            sources.append(ModelFolder(f"{key}.openai.logit_bias_tokenizer",
+                                       rc.openai.logit_bias_tokenizer, (TOKENIZER_FILES,),
+                                       fingerprint=False))
+    grounding = rc.grounding
+    clip_tier = rc.cache.embedding_threshold is not None and rc.embedding_source == "clip"
+    if (grounding.enabled and grounding.backend == "clip") or clip_tier:
+        sources.append(clip_source(cfg))
+    if grounding.enabled and grounding.backend == "detector":
+        detector = grounding.detector
+        sources.append(ModelFolder(f"{key}.grounding.detector.model", detector.model,
+                                   TRANSFORMERS_FILES, detector.revision,
+                                   check=_owl_check(detector.model)))
+    # word lists are recorded by their config value (as they always were), not their bytes
+    sources += [ModelFolder(f"{key}.attribute_lexicons", folder, hub=False, fingerprint=False)
+                for folder in rc.attribute_lexicons]
+    if grounding.enabled:
+        sources += [ModelFile(f"{key}.grounding.extra_nouns", path, fingerprint=False)
+                    for path in grounding.extra_nouns]
+    return tuple(sources)
+
+
+def _owl_check(model: str):  # noqa: ANN202 - a SourceCheck
+    """The detector's config.json names a model type the detector backend reads."""
+    def check(config_json: str) -> list[str]:
+        model_type = json.loads(Path(config_json).read_text()).get("model_type")
+        if model_type in OWL_TYPES:
+            return []
+        return [f"process.recaption.grounding.detector.model: {model} is a {model_type} "
+                f"model, not an open-vocabulary detector this backend reads "
+                f"({' or '.join(OWL_TYPES)}: e.g. google/owlv2-base-patch16-ensemble)"]
+
+    return check
 
 
 def recaption_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -75,6 +141,25 @@ class RecaptionStep(ModelStep):
     @classmethod
     def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
         return cfg.process.recaption
+
+    @classmethod
+    def enabled(cls, cfg: PairforgeConfig) -> bool:
+        return cfg.process.recaption.enabled
+
+    @classmethod
+    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+        rc = cfg.process.recaption
+        # a detector's keys are recorded only when it grounds: with CLIP grounding, shards
+        # have the settings they had before the detector existed
+        skip = SERVER_SPEED_KEYS + (DETECTOR_KEYS if rc.grounding.backend == "clip" else ())
+        return Requirements(display=rc.model, sources=recaption_sources(cfg),
+                            settings=setting_values(rc, "process.recaption.", skip))
+
+    @classmethod
+    def manifest_entries(cls, cfg: PairforgeConfig, shards: list[dict[str, Any]],
+                         totals: dict[str, Any]) -> dict[str, Any]:
+        rc = cfg.process.recaption
+        return {"models": {"recaption": rc.model if rc.enabled else None}}
 
     def __init__(self, cfg: PairforgeConfig) -> None:
         super().__init__(cfg)

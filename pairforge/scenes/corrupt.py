@@ -10,7 +10,6 @@ caption. A wrong caption never equals the scene's own.
 from __future__ import annotations
 
 import random
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -98,8 +97,3 @@ def _text(s: Scene, kind: str, scenes: Sequence[Scene], i: int, rng: random.Rand
         if other != s.caption:
             return other
     return change_attributes(s, rng).caption
-
-
-def kind_counts(corrupted: Sequence[tuple[str, str]]) -> dict[str, int]:
-    counts = Counter(kind for _, kind in corrupted)
-    return {k: counts.get(k, 0) for k in KINDS}

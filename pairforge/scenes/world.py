@@ -20,7 +20,6 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 from PIL import Image, ImageDraw
 
 SHAPES = ("circle", "square", "triangle", "cross")
@@ -163,10 +162,6 @@ def render(s: Scene, side: int = 64) -> Image.Image:
         paint = Image.new("RGB", (box, box), COLOURS[thing.colour])
         image.paste(paint, (x0, y0), shape_mask(thing.shape, box, box))
     return image.resize((side, side), Image.Resampling.BOX)
-
-
-def render_array(s: Scene, side: int = 64) -> np.ndarray:
-    return np.asarray(render(s, side))
 
 
 # ---------------------------------------------------------------------------- captions

@@ -16,6 +16,7 @@ from pairforge.config import PairforgeConfig
 from pairforge.shards.features import hf_features
 from pairforge.shards.raw import shard_name, stats_name
 from pairforge.shards.storage import RAW_FOLDER, SHARDS_FOLDER, OutputDir
+from pairforge.stage import Step
 
 MANIFEST_VERSION = 1
 VERSIONED = ("pairforge", "torch", "open_clip_torch", "transformers", "ray", "webdataset",
@@ -98,24 +99,26 @@ def _vocab(shards: list[dict[str, Any]]) -> dict[str, Any] | None:
     return json.loads(layout) if layout else None
 
 
-def _classifiers(cfg: PairforgeConfig, shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each classifier as configured (model or head file, label, bound, status) and the rows
-    it scored and dropped over the shards on disk."""
-    steps = _sum_steps(shards)
-    found = []
-    for entry in cfg.process.classifiers:
-        step = steps.get(f"classifier.{entry.name}", {})
-        found.append({
-            "name": entry.name, "score": f"{entry.name}_score", "backend": entry.backend,
-            "model": entry.model if entry.backend == "transformers" else entry.path,
-            "label": entry.label, "drop_above": entry.drop_above,
-            "drop_below": entry.drop_below, "status": entry.status,
-            "rows_scored": step.get("rows_in", 0),
-            "rows_dropped": sum((step.get("ended") or {}).values())})
-    return found
+def _step_entries(cfg: PairforgeConfig, steps: list[type[Step]],
+                  shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the steps say of themselves (``Step.manifest_entries``), by section: the models
+    they loaded, each classifier with the rows it scored and dropped."""
+    sections: dict[str, Any] = {"models": {}, "classifiers": []}
+    totals = _sum_steps(shards)
+    for step in steps:
+        for section, entry in step.manifest_entries(cfg, shards,
+                                                    totals.get(step.name, {})).items():
+            if isinstance(entry, list):
+                sections.setdefault(section, []).extend(entry)
+            else:
+                sections.setdefault(section, {}).update(entry)
+    return sections
 
 
-def build_manifest(out: OutputDir, cfg: PairforgeConfig) -> dict[str, Any]:
+def build_manifest(out: OutputDir, cfg: PairforgeConfig,
+                   steps: list[type[Step]]) -> dict[str, Any]:
+    """``steps``: every step of the stage, on or off (each says what the manifest records
+    of it, e.g. a model that did not run as null)."""
     ids = sorted(int(n.split("_")[0]) for n in out.glob(f"{SHARDS_FOLDER}/*_stats.json"))
     shards = [out.read_json(SHARDS_FOLDER, stats_name(i)) for i in ids]
     tasks = _sum_tasks(shards)
@@ -123,17 +126,14 @@ def build_manifest(out: OutputDir, cfg: PairforgeConfig) -> dict[str, Any]:
     unconditional = sum(tasks.get(t, {}).get("image_tokens", 0) for t in ("i2t", "img"))
     budgets = [s["budget"] for s in shards if "budget" in s]
     p_drop = _one_value({b["p_drop"] for b in budgets}, "p_drop", cfg.process.tasks.p_drop)
+    entries = _step_entries(cfg, steps, shards)
     return {
         "manifest_version": MANIFEST_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": _versions(),
         "config": cfg.model_dump(mode="json"),
         "vocab": _vocab(shards),
-        "models": {"clip": shards[0].get("clip_model") if shards else None,
-                   "clip_threshold": shards[0].get("clip_threshold") if shards else None,
-                   "recaption": (cfg.process.recaption.model
-                                 if cfg.process.recaption.enabled else None)},
-        "classifiers": _classifiers(cfg, shards),
+        **entries,
         "recaption": _sum_recaption(shards),
         "steps": _sum_steps(shards),
         "budget": {

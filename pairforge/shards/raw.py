@@ -11,7 +11,6 @@ written as parts, NNNNN.partIofK.tar and .parquet without a stats file, and
 from __future__ import annotations
 
 import io
-import tarfile
 from collections import Counter
 from typing import Any
 
@@ -20,7 +19,7 @@ import pyarrow.parquet as pq
 
 from pairforge.records import Status, raw_schema
 from pairforge.shards.storage import OutputDir
-from pairforge.shards.tar import BLOCK, SampleTarWriter, archive_end
+from pairforge.shards.tar import SampleTarWriter, archive_end, copy_members
 
 
 def shard_name(shard_id: int) -> str:
@@ -95,7 +94,10 @@ def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]]) -> dic
     shard_id, count = parts[0]["shard"], parts[0]["part"][1]
     names = [part_name(shard_id, i, count) for i in range(count)]
     with out.open_atomic(folder, f"{shard_name(shard_id)}.tar") as f:
-        written = sum(_copy_members(out, out.path(folder, f"{name}.tar"), f) for name in names)
+        written = 0
+        for name in names:
+            with out.fs.open(out.path(folder, f"{name}.tar"), "rb") as part:
+                written += copy_members(part, f)
         f.write(archive_end(written))
     table = pa.concat_tables(pq.read_table(io.BytesIO(out.read_bytes(folder, f"{n}.parquet")))
                              for n in names)
@@ -110,22 +112,6 @@ def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]]) -> dic
         out.remove(folder, f"{name}.tar")
         out.remove(folder, f"{name}.parquet")
     return stats
-
-
-def _copy_members(out: OutputDir, path: str, sink: Any, chunk: int = 1 << 22) -> int:
-    """Copy a tar's bytes up to its end-of-archive blocks into ``sink``, a chunk at a time
-    (a part can be large); returns how many."""
-    with out.fs.open(path, "rb") as f:
-        with tarfile.open(fileobj=f) as archive:  # reads the headers, seeks over the data
-            members = archive.getmembers()
-        end = members[-1].offset_data + -(-members[-1].size // BLOCK) * BLOCK if members else 0
-        f.seek(0)
-        left = end
-        while left:
-            data = f.read(min(chunk, left))
-            sink.write(data)
-            left -= len(data)
-    return end
 
 
 def _row_counts(statuses: Any) -> dict[str, Any]:

@@ -169,30 +169,86 @@ def read_samples(archive: bytes) -> Iterator[tuple[str, dict[str, bytes | memory
     return _group_by_key(members)
 
 
-def _plain_members(archive: bytes) -> list[tuple[str, memoryview]] | None:
-    """``(name, data)`` of each file when every header is a plain ustar one whose
-    checksum holds; None when any is not (``tarfile`` then reads the archive). The data
-    are views into ``archive``, not copies: a shard's images are not held twice."""
-    view = memoryview(archive)
-    members = []
-    position = 0
-    while position + BLOCK <= len(archive):
-        header = archive[position:position + BLOCK]
+class _NotPlain(Exception):
+    """An archive with other headers than plain ustar ones: ``tarfile`` reads it."""
+
+
+class _Damaged(tarfile.ReadError):
+    """A header whose checksum fails, or a header or member cut short."""
+
+
+def _plain_headers(stream: IO[bytes]) -> Iterator[tuple[str | None, int, int]]:
+    """``(name, data offset, data size)`` of each member of a plain ustar archive, in file
+    order, up to its end (the first zero block, or the end of the stream); a directory's
+    name is None. Seeks over the data, so an archive on disk is never read whole. Raises
+    ``_NotPlain`` at any other header (pax or GNU, a name with a prefix, v7), ``_Damaged``
+    at a checksum that fails or a header or member cut short."""
+    length = stream.seek(0, io.SEEK_END)
+    position = stream.seek(0)
+    while position < length:
+        header = stream.read(BLOCK)
         if header == _ZERO_BLOCK:
-            return members
+            return
+        if len(header) < BLOCK:
+            raise _Damaged(f"a header cut short at byte {position}")
+        if not _checksum_holds(header):
+            raise _Damaged(f"the header at byte {position} fails its checksum")
         kind = header[156:157]
-        if (kind not in (*_PLAIN_FILE, _DIRECTORY) or header[257:262] != b"ustar"
-                or header[345] or not _checksum_holds(header)):
-            return None  # pax / GNU headers, a name with a prefix, a v7 archive, damage
+        if kind not in (*_PLAIN_FILE, _DIRECTORY) or header[257:262] != b"ustar" or header[345]:
+            raise _NotPlain  # pax / GNU headers, a name with a prefix, a v7 archive
         size = int(header[124:136].strip(b"\0 ") or b"0", 8)
         start = position + BLOCK
-        if start + size > len(archive):
-            return None  # truncated: tarfile says so
-        if kind != _DIRECTORY:
-            name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            members.append((name, view[start:start + size]))
-        position = start + size + (-size % BLOCK)
-    return members if position == len(archive) else None
+        end = start + size + (-size % BLOCK)
+        if end > length:
+            raise _Damaged(f"the member at byte {position} is cut short")
+        name = (None if kind == _DIRECTORY
+                else header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape"))
+        yield name, start, size
+        position = stream.seek(end)
+
+
+def _plain_members(archive: bytes) -> list[tuple[str, memoryview]] | None:
+    """``(name, data)`` of each file of a plain ustar archive; None when ``tarfile`` must
+    read it (``_plain_headers``; for a damaged one it raises as it does when streaming).
+    The data are views into ``archive``, not copies: a shard's images are not held twice."""
+    view = memoryview(archive)
+    try:
+        return [(name, view[start:start + size])
+                for name, start, size in _plain_headers(io.BytesIO(archive))
+                if name is not None]
+    except (_NotPlain, _Damaged):
+        return None
+
+
+def members_end(stream: IO[bytes]) -> int:
+    """Where an archive's members end and its end-of-archive blocks begin (through
+    ``tarfile`` for an archive that is not plain ustar); ``tarfile.ReadError`` for a damaged
+    one. Leaves the stream anywhere."""
+    try:
+        end = 0
+        for _, start, size in _plain_headers(stream):
+            end = start + size + (-size % BLOCK)  # the member's data, padded to a block
+        return end
+    except _NotPlain:
+        stream.seek(0)
+        with tarfile.open(fileobj=stream) as archive:  # reads the headers, seeks over data
+            members = archive.getmembers()
+        return members[-1].offset_data + -(-members[-1].size // BLOCK) * BLOCK if members else 0
+
+
+def copy_members(source: IO[bytes], sink: IO[bytes], chunk: int = 1 << 22) -> int:
+    """Copy an archive's members, without its end-of-archive blocks, into ``sink`` a chunk
+    at a time (an archive can be large); returns how many bytes. Archives copied one after
+    another and then ``archive_end`` are one archive."""
+    left = end = members_end(source)
+    source.seek(0)
+    while left:
+        data = source.read(min(chunk, left))
+        if not data:
+            raise tarfile.ReadError("the archive ended inside its members")
+        sink.write(data)
+        left -= len(data)
+    return end
 
 
 def _checksum_holds(header: bytes) -> bool:

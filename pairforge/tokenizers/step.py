@@ -14,7 +14,16 @@ import pyarrow as pa
 from pairforge.config import ModelPoolConfig, PairforgeConfig
 from pairforge.images import decode_rgb, model_device
 from pairforge.records import process_columns
-from pairforge.stage import ModelStep, StepResult
+from pairforge.stage import (
+    TOKENIZER_FILES,
+    WEIGHT_FILES,
+    ModelFolder,
+    ModelSource,
+    ModelStep,
+    Requirements,
+    StepResult,
+    setting_values,
+)
 from pairforge.tokenizers.vocab import VocabLayout
 
 
@@ -27,6 +36,17 @@ class TokenizeStep(ModelStep):
     @classmethod
     def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
         return cfg.process.tokenize
+
+    @classmethod
+    def enabled(cls, cfg: PairforgeConfig) -> bool:
+        return cfg.process.tokenize.enabled
+
+    @classmethod
+    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+        tok = cfg.process.tokenize
+        return Requirements(display=tok.image.path_or_id if tok.image else None,
+                            sources=tokenizer_sources(cfg),
+                            settings=setting_values(tok, "process.tokenize."))
 
     def __init__(self, cfg: PairforgeConfig) -> None:
         from pairforge.tokenizers.registry import load_image_tokenizer, load_text_tokenizer
@@ -55,6 +75,26 @@ class TokenizeStep(ModelStep):
             "n_caption_tokens": [len(c) for c in captions],
             "vocab_layout": [self.layout if first else None for first in _shard_starts(rows)],
         })
+
+
+def tokenizer_sources(cfg: PairforgeConfig) -> tuple[ModelSource, ...]:
+    """The image tokenizer (ours: a train-vq folder, never a hub id; the others: a
+    transformers folder or hub id) and an hf text tokenizer."""
+    tok = cfg.process.tokenize
+    sources: list[ModelSource] = []
+    key = "process.tokenize.image.path_or_id"
+    if tok.image is not None and tok.image.backend == "pairforge-vq":
+        from pairforge.tokenizers.vqvae import CONFIG_NAME, WEIGHTS_NAME  # imports torch
+
+        sources.append(ModelFolder(key, tok.image.path_or_id, ((CONFIG_NAME,), (WEIGHTS_NAME,)),
+                                   hub=False))
+    elif tok.image is not None:
+        sources.append(ModelFolder(key, tok.image.path_or_id, (("config.json",), WEIGHT_FILES),
+                                   tok.image.revision))
+    if tok.text.backend == "hf" and tok.text.path_or_id:
+        sources.append(ModelFolder("process.tokenize.text.path_or_id", tok.text.path_or_id,
+                                   (TOKENIZER_FILES,), tok.text.revision))
+    return tuple(sources)
 
 
 def _shard_starts(rows: pa.Table) -> list[bool]:

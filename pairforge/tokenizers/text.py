@@ -87,10 +87,6 @@ class HFTextTokenizer(TextTokenizer):
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Many captions in one call (the fast tokenizer parallelises in Rust)."""
-        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-
     @property
     def vocab_size(self) -> int:
         # len() counts added tokens too; .vocab_size does not, and added ids can occur

@@ -79,17 +79,6 @@ class VocabLayout(BaseModel):
                              f"[{codes.min()}, {codes.max()}]")
         return (codes.astype(np.int64) + self.image_offset).astype(np.int32)
 
-    def image_codes(self, ids: np.ndarray) -> np.ndarray:
-        """Vocabulary ids of image tokens -> codes (inverse of :meth:`image_ids`)."""
-        ids = np.asarray(ids)
-        if ids.size and (ids.min() < self.image_offset or ids.max() >= self.sov):
-            raise ValueError(f"ids outside the image range [{self.image_offset}, {self.sov})")
-        return (ids.astype(np.int64) - self.image_offset).astype(np.int32)
-
-    def is_image(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(ids)
-        return (ids >= self.image_offset) & (ids < self.sov)
-
     # ------------------------------------------------------------------ manifest
     def to_manifest(self) -> dict[str, Any]:
         """Plain JSON: the inputs plus every derived id, so a reader can see them."""

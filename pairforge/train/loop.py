@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from pairforge.shards.labels import I2T, IMG, T2I
 from pairforge.tokenizers.vocab import VocabLayout
-from pairforge.train.config import RunConfig, TrainConfig
+from pairforge.train.config import OptimConfig, RunConfig, TrainConfig
 from pairforge.train.data import (
     UNCONDITIONAL,
     Datasets,
@@ -78,11 +78,10 @@ def teardown_distributed() -> None:
 
 
 # ---------------------------------------------------------------------------- optimizer
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.AdamW:
     """Weight decay on matrices and embeddings only, not on norms and biases."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    o = cfg.optim
     groups = [{"params": decay, "weight_decay": o.weight_decay},
               {"params": rest, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2))
@@ -135,13 +134,13 @@ def reduce_counts(consumed: dict[str, dict[str, dict[str, int]]]) -> dict:
 
 
 # ---------------------------------------------------------------------------- streams
-def staged_switch(cfg: TrainConfig, datasets: Datasets) -> int:
+def staged_switch(steps: int, datasets: Datasets) -> int:
     """Step at which the staged schedule moves from i2t/img to t2i: each stage gets steps in
     proportion to its samples, so each task sees about as many passes as in the mixed run."""
     totals = task_totals(datasets.train)
     samples = {t: totals.get(t, {}).get("samples", 0) for t in (T2I, I2T, IMG)}
     first = sum(samples[t] for t in UNCONDITIONAL)
-    return round(cfg.run.steps * first / max(1, sum(samples.values())))
+    return round(steps * first / max(1, sum(samples.values())))
 
 
 def make_streams(cfg: TrainConfig, datasets: Datasets, layout: VocabLayout, d: Dist,
@@ -354,7 +353,7 @@ def build_run(cfg: TrainConfig, d: Dist, log: Log) -> Run:
     torch.manual_seed(cfg.run.seed)  # the same initial weights on every process
     model = Transformer(cfg.model, layout.total_size).to(d.device)
     torch.manual_seed(cfg.run.seed * 1000 + d.rank)  # then per-process dropout streams
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     window = LossSums(d.device)
     out = Path(cfg.run.out)
@@ -374,7 +373,7 @@ def build_run(cfg: TrainConfig, d: Dist, log: Log) -> Run:
 def run_loop(run: Run) -> str:
     """Train until run.steps (or the data or stop_after ends it); return why it stopped."""
     cfg, state = run.cfg.run, run.state
-    switch = staged_switch(run.cfg, run.datasets)
+    switch = staged_switch(run.cfg.run.steps, run.datasets)
     streams = make_streams(run.cfg, run.datasets, run.layout, run.d, state.positions)
     while state.step < cfg.steps:
         batch = next_batch(streams, state.step, switch)

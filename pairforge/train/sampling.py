@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 
 from pairforge.tokenizers.vocab import VocabLayout
-from pairforge.train.config import TrainConfig
+from pairforge.train.config import DataConfig, TrainConfig
 from pairforge.train.data import open_datasets, read_samples
 from pairforge.train.loop import CHECKPOINT
 from pairforge.train.model import Transformer
@@ -193,11 +193,11 @@ def caption_codes(model: Transformer, layout: VocabLayout, codes: np.ndarray,
     return out
 
 
-def _tokenizers(cfg: TrainConfig) -> tuple[Any, Any, list[dict[str, Any]]]:
+def _tokenizers(data: DataConfig) -> tuple[Any, Any, list[dict[str, Any]]]:
     """The dataset's text and image tokenizers (from its manifest) and held-out samples."""
     from pairforge.tokenizers.registry import load_image_tokenizer, load_text_tokenizer
 
-    datasets = open_datasets(cfg.data)
+    datasets = open_datasets(data)
     manifest = next(iter(datasets.manifests.values()))
     tokenize = manifest["config"]["process"]["tokenize"]
     image = load_image_tokenizer({**tokenize["image"], "device": "cpu"})
@@ -237,7 +237,7 @@ def sample_run(run: str | Path, output: str, prompts: list[str] | None = None, n
     """Images for the prompts (default: held-out captions), captions for held-out images;
     writes the PNG sheet and ``output`` with .json holding prompts and captions."""
     model, layout, cfg = load_model(run)
-    text, image, held = _tokenizers(cfg)
+    text, image, held = _tokenizers(cfg.data)
     held = held[:n]
     prompts = prompts or [text.decode(s["caption"].tolist()) for s in held if len(s["caption"])]
     grid = image.grid_shape(image.resolution, image.resolution)

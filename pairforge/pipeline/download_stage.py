@@ -1,9 +1,9 @@
-"""Running stages on Ray: shard tasks with resume, live progress and a summary."""
+"""Stage 1 (download) on Ray: one task per input shard (or part of the last round's), with
+resume, live progress and a summary; the shard's work itself is ``download.shard``."""
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,12 +20,13 @@ from pairforge.download.inputs import (
 )
 from pairforge.download.shard import download_shard
 from pairforge.download.split import SPLIT_FOLDER, SplitJob, normalise_table, run_split, write_split
-from pairforge.pipeline.progress import LOG, ProgressCounter, StageDisplay, say
+from pairforge.pipeline.entry import RunOptions, summarise
+from pairforge.pipeline.progress import ProgressCounter, StageDisplay, say
 from pairforge.pipeline.ray_runtime import driver_local_actor, init_ray
 from pairforge.pipeline.runlog import log_shard, run_log
 from pairforge.pipeline.settings import check_settings, settings_record, stage_settings
-from pairforge.shards.raw import completed_shards, merge_parts, remove_parts, stats_name
-from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir
+from pairforge.shards.raw import completed_shards, merge_parts, remove_parts
+from pairforge.shards.storage import RAW_FOLDER, OutputDir
 
 
 @contextmanager
@@ -107,13 +108,12 @@ def _download_task(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, 
                           progress=lambda c: ray.get(counter.add.remote(dict(c))))
 
 
-def run_download(cfg: PairforgeConfig, show_progress: bool = True,
-                 force: bool = False) -> dict[str, Any]:
-    """Stage 1 over every shard not yet complete under these settings (``force``: redo the
-    shards made under others; else they stop it); returns the funnel of all shards."""
-    check_settings(cfg, ("download",), force)
+def run_download(cfg: PairforgeConfig, run: RunOptions) -> dict[str, Any]:
+    """Stage 1 over every shard not yet complete under these settings (``run.force``: redo
+    the shards made under others; else they stop it); returns the funnel of all shards."""
+    check_settings(cfg, ("download",), run)
     with run_log(cfg, "download") as log:
-        return {**_download(cfg, show_progress), "log": log}
+        return {**_download(cfg, run.show_progress), "log": log}
 
 
 def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
@@ -167,20 +167,6 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
             "rows_per_s": round(rows_todo / seconds, 1) if rows_todo else None}
 
 
-def run_dedup_stage(cfg: PairforgeConfig, force: bool = False,
-                    show_progress: bool = True) -> dict[str, Any]:
-    """Stage 2 over the complete raw shards (only their hash columns are read)."""
-    from pairforge.pipeline.dedup_stage import run_dedup
-
-    out = OutputDir(cfg.output.path, cfg.output.storage_options)
-    with run_log(cfg, "dedup") as log:
-        stats = run_dedup(out.uri(RAW_FOLDER), out.uri(DEDUP_FOLDER), cfg.dedup, cfg.ray,
-                          cfg.output.storage_options, force=force,
-                          say=say if show_progress else LOG.info)
-        LOG.info("dedup: %s", {k: v for k, v in stats.items() if not isinstance(v, dict)})
-    return {**stats, "log": log}
-
-
 def slots_per_task(limit: int, queued: int, running: int) -> int:
     """Task slots each running task may use: one while tasks wait for a slot; once none
     waits (the run's tail), the slots of finished tasks spread over those still running."""
@@ -219,10 +205,3 @@ def _run_bounded(items: list, submit, limit: int, on_tick, on_result=None,  # no
             ray.cancel(ref)
         raise
 
-
-def summarise(out: OutputDir, folder: str, shard_ids: list[int]) -> dict[str, Any]:
-    """The funnel over the given complete shards, read back from their stats files."""
-    counts: Counter = Counter()
-    for shard_id in shard_ids:
-        counts.update(out.read_json(folder, stats_name(shard_id))["status"])
-    return {"shards": len(shard_ids), "rows": sum(counts.values()), "status": dict(counts)}

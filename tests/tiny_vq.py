@@ -1,4 +1,5 @@
-"""Random-weight transformers VQ checkpoints built from configs, for tests and benchmarks.
+"""Random-weight transformers VQ checkpoints built from configs, for tests and benchmarks
+(bench/vq.py imports it with tests/ on sys.path).
 
 Machines that build and test pairforge cannot reach a model hub (DESIGN.md section 8), so
 tests save tiny models with ``save_pretrained`` and load them back by path through the same
