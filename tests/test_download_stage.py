@@ -365,52 +365,6 @@ def test_runner_hands_finished_tasks_slots_to_the_running_ones(ray_local):
     ray.kill(counter)
 
 
-def _command_lines() -> list[str]:
-    lines = []
-    for entry in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            lines.append(entry.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-        except OSError:  # a process that ended while we looked
-            continue
-    return lines
-
-
-def test_local_ray_runs_without_the_monitors_and_the_dashboard(ray_local):
-    """init_ray leaves out three polling processes nothing of ours reads (ray_runtime)."""
-    import ray
-    from ray._private import ray_constants
-
-    processes = ray._private.worker._global_node.all_processes
-    assert ray_constants.PROCESS_TYPE_RAYLET in processes
-    assert ray_constants.PROCESS_TYPE_LOG_MONITOR not in processes
-    assert ray_constants.PROCESS_TYPE_MONITOR not in processes
-    assert ray_constants.PROCESS_TYPE_DASHBOARD not in processes
-    session = ray._private.worker._global_node.get_session_dir_path()
-    assert not [cmd for cmd in _command_lines() if "dashboard.py" in cmd and session in cmd]
-
-    @ray.remote(num_cpus=1)
-    def fails() -> None:
-        raise ValueError("a task's error still reaches the driver")
-
-    with pytest.raises(ValueError, match="still reaches the driver"):
-        ray.get(fails.remote())
-
-
-def test_local_ray_finds_its_node_as_soon_as_it_registers(ray_local):
-    """The driver polls the GCS every 20 ms for its new raylet instead of Ray's lookup,
-    which sleeps a second on a miss (ray_runtime._wait_for_registration); Ray's own
-    lookup is back in place once the start is over."""
-    import ray
-    from ray._private import services
-
-    from pairforge.pipeline.ray_runtime import _wait_for_registration
-
-    node = ray._private.worker._global_node
-    assert _wait_for_registration(node.gcs_address, node.node_id)
-    assert not _wait_for_registration(node.gcs_address, "ab" * 28, patience_s=0.2)
-    assert services.get_node.__qualname__ == "get_node"
-
-
 def _raylet_workers(raylet: int) -> list[str]:
     """Command lines of the raylet's worker processes (its two agents left out)."""
     from pathlib import Path  # again: a subprocess runs this function's source alone
@@ -431,7 +385,7 @@ def test_a_driver_starts_and_leaves_ray_without_needless_waits(tmp_path):
     """Stages 1 and 2 never build a Ray Data dataset, so their driver does not pay the
     ~0.5 s of importing it (stage 3 quiets Ray Data where it builds one), nor pandas' 0.1 s
     for reading a parquet input; no worker process is started before a task asks for one
-    (``local_system_config``); at exit, ``init_ray``'s hook leaves Ray once (however often
+    (``ray_private.worker_settings``); at exit, ``init_ray``'s hook leaves Ray once (however often
     Ray was started) before Ray's own hook would sleep 0.5 s first."""
     table = tmp_path / "input.parquet"
     pq.write_table(pa.table({"url": ["http://127.0.0.1/a.jpg"]}), table)

@@ -13,6 +13,7 @@ from typing import Any
 import pyarrow as pa
 
 from pairforge.config import PairforgeConfig
+from pairforge.pipeline.ray_private import cut_into_blocks
 from pairforge.stage import ModelStep, Step
 
 
@@ -64,13 +65,9 @@ def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
 
 
 def _cut_into_blocks(ds: Any, rows: int) -> Any:
-    ds = ds.repartition(target_num_rows_per_block=rows)
     # Ray asks one CPU for each repartition task, which the actor pools may all hold: the
     # stage would hang. At the plain tasks' fraction Ray fuses it into the task before it.
-    # (Ray Data has no public argument for this; ray is pinned, and the pool tests in
-    # tests/test_process_stage.py hang or fail if it stops working.)
-    ds._logical_plan.dag.ray_remote_args["num_cpus"] = TASK_CPUS
-    return ds
+    return cut_into_blocks(ds, rows, num_cpus=TASK_CPUS)
 
 
 def add_step(ds: Any, step_cls: type[Step], cfg: PairforgeConfig,

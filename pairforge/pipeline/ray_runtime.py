@@ -6,12 +6,12 @@ import atexit
 import logging
 import os
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from pairforge.config import RayConfig
+from pairforge.pipeline.ray_private import environment, lean_local_start, worker_settings
 
 # Ray prints banners, dashboard hints and per-worker log lines; the user sees our
 # progress display instead. Errors still surface as exceptions in the driver.
@@ -43,100 +43,6 @@ def _stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-@contextmanager
-def _lean_local_start() -> Iterator[None]:
-    """A local instance without the log monitor, the autoscaler monitor and the dashboard,
-    found by the driver as soon as its raylet registers.
-
-    The log monitor tails every worker's log files to forward them to the driver, which
-    ``log_to_driver=False`` never shows; the monitor autoscales a cluster of one fixed
-    node; the dashboard (started even with ``include_dashboard=False``, then with only its
-    usage-stats module, which ``RAY_USAGE_STATS_ENABLED=0`` idles) serves a web UI and the
-    state and job APIs, none of which a local run uses, and ``ray.init`` waits for it to
-    publish its address. Each is a Python process that imports Ray and then polls: 1.4,
-    1.1 and 1.45 s of CPU per run, and the dashboard ~1 s of ``ray.init``'s wall time
-    (bench/RESULTS.md, stage 1). ``ray start`` has flags for the first two
-    (--include-log-monitor, --no-monitor), ``ray.init`` none for any, so they are set on
-    the way in; a cluster (``address``) is joined as it is. A Ray without these
-    attributes starts as it always does.
-    """
-    try:
-        from ray._private import services
-        from ray._private.node import Node
-        from ray._private.parameter import RayParams
-    except ImportError:
-        yield
-        return
-    original_params, original_api_server = RayParams.__init__, Node.start_api_server
-    original_get_node = services.get_node
-
-    def quiet(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_params(self, *args, **kwargs)
-        self.include_log_monitor = False
-        self.no_monitor = True
-
-    def no_api_server(self: Any, **_: Any) -> None:
-        self._webui_url = None  # what Ray records when the dashboard cannot start
-
-    RayParams.__init__, Node.start_api_server = quiet, no_api_server
-    services.get_node = _after_registration(original_get_node)
-    try:
-        yield
-    finally:
-        RayParams.__init__, Node.start_api_server = original_params, original_api_server
-        services.get_node = original_get_node
-
-
-def _after_registration(get_node: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
-    """Ray's ``get_node`` once the node is in the GCS.
-
-    ``ray.init`` asks for its new node 0.1 s after starting the raylet, which registers
-    ~0.5 s after its start; a miss makes Ray's lookup sleep a whole second before asking
-    again. Polling every 20 ms first gives the driver its node ~0.6 s sooner per run.
-    """
-    def after(gcs_address: str, node_id: str) -> Any:
-        _wait_for_registration(gcs_address, node_id)
-        return get_node(gcs_address, node_id)
-
-    return after
-
-
-def _wait_for_registration(gcs_address: str, node_id: str, patience_s: float = 5.0) -> bool:
-    """Whether the GCS lists ``node_id`` alive within ``patience_s`` (a slower start is
-    left to Ray's own wait, which reports the failure)."""
-    try:
-        from ray._raylet import GcsClient
-        from ray.core.generated.gcs_pb2 import GcsNodeInfo
-        from ray.core.generated.gcs_service_pb2 import GetAllNodeInfoRequest
-
-        client = GcsClient(address=gcs_address)
-        selector = GetAllNodeInfoRequest.NodeSelector(node_id=bytes.fromhex(node_id))
-        deadline = time.monotonic() + patience_s
-        while time.monotonic() < deadline:
-            if client.get_all_node_info(timeout=1, node_selectors=[selector],
-                                        state_filter=GcsNodeInfo.ALIVE):
-                return True
-            time.sleep(0.02)
-    except Exception:  # another Ray's internals: its own wait alone decides
-        pass
-    return False
-
-
-def local_system_config(cfg: RayConfig) -> dict[str, Any]:
-    """Ray settings of a local instance (a cluster sets them with ``RAY_<name>`` at
-    ``ray start``). Ray kills idle workers beyond one per CPU after a second, and actors
-    count: while model pools hold the CPUs, each reading or writing task of stage 3 would
-    start a fresh worker process (~1 s of CPU). Twice the CPUs keeps the task workers.
-
-    Ray also starts one worker per CPU as the driver connects, before any task asks, and
-    at most one per CPU at a time: the stage's first tasks and its progress actor then
-    wait for a third worker started only once those two are up, and a fourth nobody uses
-    starts with it. Started on demand instead, the first shard begins ~0.3 s sooner with
-    one process less (bench/RESULTS.md, "Ray's start, a third look")."""
-    cpus = cfg.num_cpus or os.cpu_count() or 1
-    return {"num_workers_soft_limit": 2 * cpus + 2, "prestart_worker_first_driver": False}
-
-
 def init_ray(cfg: RayConfig) -> None:
     """Join ``cfg.address`` / ``RAY_ADDRESS`` if set, else start a capped local instance."""
     import ray
@@ -152,10 +58,10 @@ def init_ray(cfg: RayConfig) -> None:
         if address:
             ray.init(address=address, **common)
         else:
-            with _lean_local_start():
+            cpus = cfg.num_cpus or os.cpu_count() or 1
+            with lean_local_start(), environment(worker_settings(cpus)):
                 ray.init(num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory,
-                         include_dashboard=False, _system_config=local_system_config(cfg),
-                         **common)
+                         include_dashboard=False, **common)
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     atexit.unregister(shutdown_ray)  # once, however many times a process starts Ray
