@@ -14,7 +14,7 @@ consecutive sizes is printed: RSS and seconds grow as rows^k.
 Stages (``STAGES``: one function each, taking the parsed arguments and returning the
 stage's entry of the JSON):
 
-- ``plan``: stage 1's planning alone (``runner.input_shards``: metadata, and the
+- ``plan``: stage 1's planning alone (``download_stage.input_shards``: metadata, and the
   splitting pass for inputs without usable row groups) on synthetic (url, caption) files
   of 10^6 rows each: parquet in row groups of 10^4 rows (read in place), parquet as
   ``pq.write_table`` writes it by default (one row group per file: split), and csv
@@ -129,8 +129,9 @@ def _plan_config(folder: Path, variant: str, out: Path):  # noqa: ANN202
 
 
 def _plan_child(variant: str, rows: int, workdir: Path) -> dict[str, Any]:
+    from pairforge.pipeline.download_stage import input_shards, run_download
+    from pairforge.pipeline.entry import RunOptions
     from pairforge.pipeline.ray_runtime import init_ray
-    from pairforge.pipeline.runner import input_shards, run_download
 
     folder = workdir / f"plan-{rows}"
     out = workdir / f"out-{variant}-{rows}"
@@ -139,7 +140,7 @@ def _plan_child(variant: str, rows: int, workdir: Path) -> dict[str, Any]:
     try:
         if variant == "download":
             started = time.perf_counter()
-            summary = run_download(cfg, show_progress=False)
+            summary = run_download(cfg, RunOptions(show_progress=False))
             seconds = time.perf_counter() - started
             assert summary["rows"] == rows, summary
             return {"driver_peak_rss_mib": _peak_rss_mib(), "seconds": round(seconds, 2),

@@ -418,6 +418,9 @@ def test_a_driver_starts_and_leaves_ray_without_needless_waits(tmp_path):
 
 # -- planning from metadata: each shard task reads its own rows (download/inputs.py)
 
+QUIET = RunOptions(show_progress=False)
+
+
 def _refused_rows(start: int, stop: int) -> pa.Table:
     """Rows the address guard refuses before any request (127.0.0.2 is not allowed)."""
     return pa.table({"url": [f"http://127.0.0.2:9/{i}.jpg" for i in range(start, stop)],
@@ -453,11 +456,11 @@ def test_a_corrupt_parquet_stops_the_run_naming_it_and_the_rerun_loses_no_row(
     cfg = _refused_config(tmp_path, str(tmp_path / "part-*.parquet"))
     with pytest.raises(ConfigError, match=r"cannot read rows \d+-\d+ of input "
                                           r"'.*part-1\.parquet'"):
-        run_download(cfg, show_progress=False)
+        run_download(cfg, RunOptions(show_progress=False))
     assert not list((tmp_path / "out" / "raw").glob("0000[234][._]*"))  # rows of part-1
 
     paths[1].write_bytes(good)
-    summary = run_download(cfg, show_progress=False)
+    summary = run_download(cfg, RunOptions(show_progress=False))
     rows = _raw_rows(tmp_path / "out")
     assert summary["rows"] == 75 and summary["status"] == {"blocked_address": 75}
     assert [r["url"] for r in rows] == _refused_rows(0, 75)["url"].to_pylist()
@@ -465,7 +468,7 @@ def test_a_corrupt_parquet_stops_the_run_naming_it_and_the_rerun_loses_no_row(
 
 
 def test_a_ragged_csv_row_stops_the_split_naming_the_file(tmp_path, ray_local, monkeypatch):
-    from pairforge.pipeline import runner
+    from pairforge.pipeline import download_stage as runner
 
     monkeypatch.setattr(runner, "SPLIT_HERE_BYTES", 0)  # split in a Ray task: its error
     good, bad = tmp_path / "a.csv", tmp_path / "b.csv"
@@ -473,13 +476,13 @@ def test_a_ragged_csv_row_stops_the_split_naming_the_file(tmp_path, ray_local, m
     bad.write_text("url,caption\nhttp://127.0.0.2:9/1.jpg,one\nhttp://127.0.0.2:9/2.jpg\n")
     with pytest.raises(ConfigError, match=r"cannot parse input '.*b\.csv' as csv: CSV parse "
                                           r"error: (Row #3: )?Expected 2 columns, got 1"):
-        run_download(_refused_config(tmp_path, [str(good), str(bad)]), show_progress=False)
+        run_download(_refused_config(tmp_path, [str(good), str(bad)]), QUIET)
     assert not list((tmp_path / "out" / "raw").glob("*.parquet"))
 
 
 def test_an_input_gone_after_planning_fails_its_shards_naming_it(tmp_path, ray_local,
                                                                  monkeypatch):
-    from pairforge.pipeline import runner
+    from pairforge.pipeline import download_stage as runner
 
     paths = [tmp_path / f"{name}.parquet" for name in "ab"]
     pq.write_table(_refused_rows(0, 15), paths[0])
@@ -493,12 +496,12 @@ def test_an_input_gone_after_planning_fails_its_shards_naming_it(tmp_path, ray_l
 
     monkeypatch.setattr(runner, "plan_input", plan_then_delete)
     with pytest.raises(ConfigError, match=r"input '.*b\.parquet': FileNotFoundError"):
-        run_download(_refused_config(tmp_path, [str(p) for p in paths]), show_progress=False)
+        run_download(_refused_config(tmp_path, [str(p) for p in paths]), QUIET)
 
 
 @pytest.mark.parametrize("name", ["in.csv", "in.parquet"])
 def test_missing_columns_stop_the_run_before_ray(tmp_path, monkeypatch, name):
-    from pairforge.pipeline import runner
+    from pairforge.pipeline import download_stage as runner
 
     def no_ray(*_):  # noqa: ANN002, ANN202
         raise AssertionError("Ray was started")
@@ -511,7 +514,7 @@ def test_missing_columns_stop_the_run_before_ray(tmp_path, monkeypatch, name):
     else:
         pq.write_table(table, path)
     with pytest.raises(ConfigError, match=rf"input '.*{name}' has no column 'url'"):
-        run_download(_refused_config(tmp_path, str(path)), show_progress=False)
+        run_download(_refused_config(tmp_path, str(path)), RunOptions(show_progress=False))
 
 
 @pytest.mark.parametrize("on_ray", [True, False])
@@ -522,7 +525,7 @@ def test_csv_input_is_split_once_and_read_by_the_shard_tasks(tmp_path, ray_local
     runs give the rows the csv holds, in order."""
     import gzip
 
-    from pairforge.pipeline import runner
+    from pairforge.pipeline import download_stage as runner
 
     on_ray_calls = []
     split_on_ray = runner._split_on_ray
@@ -537,14 +540,14 @@ def test_csv_input_is_split_once_and_read_by_the_shard_tasks(tmp_path, ray_local
     pa.csv.write_csv(table, buffer)
     path.write_bytes(gzip.compress(buffer.getvalue()))
     cfg = _refused_config(tmp_path, str(path), shard_size=5)
-    run_download(cfg, show_progress=False)
+    run_download(cfg, RunOptions(show_progress=False))
     split = list((tmp_path / "out" / "inputs").iterdir())
     assert len(split) == 1 and pq.ParquetFile(split[0]).metadata.num_row_groups == 5
     made = split[0].stat().st_mtime_ns
     first = _raw_rows(tmp_path / "out")
     for stats in (tmp_path / "out" / "raw").glob("*_stats.json"):
         stats.unlink()
-    run_download(cfg, show_progress=False)
+    run_download(cfg, RunOptions(show_progress=False))
     assert split[0].stat().st_mtime_ns == made
     again = _raw_rows(tmp_path / "out")
     assert [r["url"] for r in again] == [r["url"] for r in first] == table["url"].to_pylist()

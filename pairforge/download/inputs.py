@@ -5,12 +5,13 @@ local or any fsspec URL), a folder of images with ``.txt`` sidecars, and existin
 WebDataset tars. The driver reads metadata only (the file list, parquet footers, the
 first line of a text file), never the rows: a shard is a list of row ranges of parquet
 files, and its task reads them itself (``read_shard_rows``). Inputs without usable row
-groups are first written as parquet by the splitting pass (download/split.py), which the
-runner places on Ray. Shard ``k`` holds rows ``k·shard_size`` up to the next shard's of
-all inputs in order, across file ends, so its id and keys depend only on the rows before
-it. Problems that make the whole input unusable (a path that matches nothing, a missing
-column, a parquet footer that cannot be read) raise ``ConfigError`` before any work
-starts; a file that cannot be read later fails its task with a message naming it.
+groups are first written as parquet by the splitting pass (download/split.py), which
+pipeline/download_stage.py places on Ray. Shard ``k`` holds rows ``k·shard_size`` up to
+the next shard's of all inputs in order, across file ends, so its id and keys depend only
+on the rows before it. Problems that make the whole input unusable (a path that matches
+nothing, a missing column, a parquet footer that cannot be read) raise ``ConfigError``
+before any work starts; a file that cannot be read later fails its task with a message
+naming it.
 """
 
 from __future__ import annotations
@@ -147,9 +148,10 @@ SplitRunner = Callable[[list[SplitJob]], list[int]]  # the jobs' rows, in order
 
 def plan_input(cfg: PairforgeConfig, run_splits: SplitRunner) -> list[InputShard]:
     """The run's shards, from the inputs' metadata; inputs that need the splitting pass
-    are split by ``run_splits`` (the runner: Ray tasks) unless a rerun finds them done."""
+    are split by ``run_splits`` (download_stage: Ray tasks) unless a rerun finds them done."""
     if cfg.input.path == BUNDLED_SAMPLE:
-        raise ConfigError("the bundled sample is served by the build; see runner.input_shards")
+        raise ConfigError("the bundled sample is served by the build "
+                          "(pipeline/download_stage.input_shards)")
     paths = _expand_paths(cfg.input)
     if not paths:
         raise ConfigError("input.path matched no files")

@@ -6,7 +6,7 @@ Text tables (txt, csv, tsv, json, jsonl, gzipped or not) have no row groups, Web
 tars and image folders have no rows at all until they are walked, and a parquet file
 whose row groups are far larger than a shard (one 12M-row group, as older pyarrow wrote
 by default) would make every shard task read a whole group for its few rows. Each such
-input is streamed, once, by one Ray task (pipeline/runner.py) into a parquet file of
+input is streamed, once, by one Ray task (pipeline/download_stage.py) into a parquet file of
 normalised columns (``url``, ``caption`` as bytes, ``source``, the extra columns) in row
 groups of ``shard_size`` rows, as img2dataset's reader writes its input into shard files
 before downloading. The file appears whole or not at all (temp name, then rename), and
