@@ -1,13 +1,17 @@
 """Internet scale (issue 34): the driver's peak RSS and the wall time of each stage as the
 number of rows grows, and the growth exponent of the time.
 
-    python bench/scale.py [--stages dedup] [--sizes 100000 1000000 10000000] [--quick]
+    python bench/scale.py [--stages plan dedup] [--sizes 100000 1000000 10000000] [--quick]
                           [--check] [--json FILE] [--work DIR]
 
 Each stage is a function ``measure_<stage>(rows, work, args) -> {"driver_peak_rss_mib":
 …, "seconds": …, …}`` registered in ``STAGES``; a new stage adds its function there.
 The driver is a fresh Python process per measurement (its VmHWM, see PEAK); Ray's own
 processes and the task workers are not the driver and are not counted.
+
+``plan``: stage 1's planning (parquet with row groups, parquet in one group and csv, the
+last two through the splitting pass) and an end-to-end ``pairforge download`` of rows the
+address guard refuses at once; bench/scale_plan.py says how.
 
 ``dedup``: stage 2 (``pipeline/dedup_stage.run_dedup``, local Ray with 2 CPUs) on raw
 shard parquet files of 10^4 rows (key, status, pixel_hash, phash, phash_mirror, four
@@ -192,7 +196,14 @@ def measure_dedup(rows: int, work: Path, args: argparse.Namespace) -> dict[str, 
     return result
 
 
+def measure_plan(rows: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from scale_plan import measure_plan as plan  # bench/scale_plan.py
+
+    return plan(rows, work)
+
+
 STAGES: dict[str, Callable[[int, Path, argparse.Namespace], dict[str, Any]]] = {
+    "plan": measure_plan,
     "dedup": measure_dedup,
 }
 

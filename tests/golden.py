@@ -198,8 +198,8 @@ def digest(out: Path) -> dict[str, dict[str, Any]]:
     digests = {}
     for path in sorted(p for p in out.rglob("*") if p.is_file()):
         name = str(path.relative_to(out))
-        if name.startswith("logs/"):
-            continue  # a run's log says when it ran
+        if name.startswith(("logs/", "inputs/")):
+            continue  # a run's log says when it ran; inputs/ is the input csv, split
         floats: list[float] = []
         data = path.read_bytes()
         if path.suffix == ".tar":

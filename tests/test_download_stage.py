@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.csv
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
@@ -23,7 +24,7 @@ from conftest import COCO_IMAGES
 from loopback_server import LoopbackServer
 from PIL import Image
 
-from pairforge.config import PairforgeConfig, parse_config
+from pairforge.config import ConfigError, PairforgeConfig, parse_config
 from pairforge.download.shard import download_shard
 from pairforge.pipeline.download_stage import input_shards, run_download
 from pairforge.pipeline.entry import RunOptions
@@ -413,3 +414,142 @@ def test_a_driver_starts_and_leaves_ray_without_needless_waits(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["False False 1", "0", "[1] [] False"]
+
+
+# -- planning from metadata: each shard task reads its own rows (download/inputs.py)
+
+QUIET = RunOptions(show_progress=False)
+
+
+def _refused_rows(start: int, stop: int) -> pa.Table:
+    """Rows the address guard refuses before any request (127.0.0.2 is not allowed)."""
+    return pa.table({"url": [f"http://127.0.0.2:9/{i}.jpg" for i in range(start, stop)],
+                     "caption": [f"row {i}" for i in range(start, stop)]})
+
+
+def _refused_config(tmp_path: Path, inp: object, shard_size: int = 10) -> PairforgeConfig:
+    return parse_config({
+        "input": {"path": inp, "shard_size": shard_size},
+        "output": {"path": str(tmp_path / "out")},
+        "ray": {"num_cpus": 2},
+        "download": {"threads": 4, "allow_addresses": ["127.0.0.1/32"]}})
+
+
+def _raw_rows(out: Path) -> list[dict]:
+    raw = out / "raw"
+    complete = sorted(p.name.split("_")[0] for p in raw.glob("*_stats.json"))
+    return pq.read_table([raw / f"{name}.parquet" for name in complete]).to_pylist()
+
+
+def test_a_corrupt_parquet_stops_the_run_naming_it_and_the_rerun_loses_no_row(
+        tmp_path, ray_local):
+    """Shards reading a parquet file with corrupt pages fail with a message naming it;
+    once it is replaced, the rerun completes the rest: every input row once, under
+    today's keys."""
+    paths = [tmp_path / f"part-{i}.parquet" for i in range(3)]
+    for i, path in enumerate(paths):
+        pq.write_table(_refused_rows(i * 25, i * 25 + 25), path)
+    good = paths[1].read_bytes()
+    damaged = bytearray(good)
+    damaged[4:300] = b"\xab" * 296  # the first page header; the footer stays readable
+    paths[1].write_bytes(bytes(damaged))
+    cfg = _refused_config(tmp_path, str(tmp_path / "part-*.parquet"))
+    with pytest.raises(ConfigError, match=r"cannot read rows \d+-\d+ of input "
+                                          r"'.*part-1\.parquet'"):
+        run_download(cfg, RunOptions(show_progress=False))
+    assert not list((tmp_path / "out" / "raw").glob("0000[234][._]*"))  # rows of part-1
+
+    paths[1].write_bytes(good)
+    summary = run_download(cfg, RunOptions(show_progress=False))
+    rows = _raw_rows(tmp_path / "out")
+    assert summary["rows"] == 75 and summary["status"] == {"blocked_address": 75}
+    assert [r["url"] for r in rows] == _refused_rows(0, 75)["url"].to_pylist()
+    assert [r["key"] for r in rows] == [f"{i // 10:05d}{i % 10:04d}" for i in range(75)]
+
+
+def test_a_ragged_csv_row_stops_the_split_naming_the_file(tmp_path, ray_local, monkeypatch):
+    from pairforge.pipeline import download_stage as runner
+
+    monkeypatch.setattr(runner, "SPLIT_HERE_BYTES", 0)  # split in a Ray task: its error
+    good, bad = tmp_path / "a.csv", tmp_path / "b.csv"
+    good.write_text("url,caption\nhttp://127.0.0.2:9/0.jpg,zero\n")
+    bad.write_text("url,caption\nhttp://127.0.0.2:9/1.jpg,one\nhttp://127.0.0.2:9/2.jpg\n")
+    with pytest.raises(ConfigError, match=r"cannot parse input '.*b\.csv' as csv: CSV parse "
+                                          r"error: (Row #3: )?Expected 2 columns, got 1"):
+        run_download(_refused_config(tmp_path, [str(good), str(bad)]), QUIET)
+    assert not list((tmp_path / "out" / "raw").glob("*.parquet"))
+
+
+def test_an_input_gone_after_planning_fails_its_shards_naming_it(tmp_path, ray_local,
+                                                                 monkeypatch):
+    from pairforge.pipeline import download_stage as runner
+
+    paths = [tmp_path / f"{name}.parquet" for name in "ab"]
+    pq.write_table(_refused_rows(0, 15), paths[0])
+    pq.write_table(_refused_rows(15, 30), paths[1])
+    planned = runner.plan_input
+
+    def plan_then_delete(*args):  # noqa: ANN002, ANN202
+        shards = planned(*args)
+        paths[1].unlink()
+        return shards
+
+    monkeypatch.setattr(runner, "plan_input", plan_then_delete)
+    with pytest.raises(ConfigError, match=r"input '.*b\.parquet': FileNotFoundError"):
+        run_download(_refused_config(tmp_path, [str(p) for p in paths]), QUIET)
+
+
+@pytest.mark.parametrize("name", ["in.csv", "in.parquet"])
+def test_missing_columns_stop_the_run_before_ray(tmp_path, monkeypatch, name):
+    from pairforge.pipeline import download_stage as runner
+
+    def no_ray(*_):  # noqa: ANN002, ANN202
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(runner, "init_ray", no_ray)
+    path = tmp_path / name
+    table = _refused_rows(0, 3).rename_columns(["URL", "caption"])
+    if name.endswith(".csv"):
+        pa.csv.write_csv(table, path)
+    else:
+        pq.write_table(table, path)
+    with pytest.raises(ConfigError, match=rf"input '.*{name}' has no column 'url'"):
+        run_download(_refused_config(tmp_path, str(path)), RunOptions(show_progress=False))
+
+
+@pytest.mark.parametrize("on_ray", [True, False])
+def test_csv_input_is_split_once_and_read_by_the_shard_tasks(tmp_path, ray_local, monkeypatch,
+                                                             on_ray):
+    """The splitting pass writes the csv as parquet under OUT/inputs (in Ray tasks, or in
+    the driver for small inputs); a rerun (the raw shards redone here) reuses it, and both
+    runs give the rows the csv holds, in order."""
+    import gzip
+
+    from pairforge.pipeline import download_stage as runner
+
+    on_ray_calls = []
+    split_on_ray = runner._split_on_ray
+    monkeypatch.setattr(runner, "_split_on_ray",
+                        lambda *args: on_ray_calls.append(1) or split_on_ray(*args))
+    if on_ray:
+        monkeypatch.setattr(runner, "SPLIT_HERE_BYTES", 0)
+
+    path = tmp_path / "in.csv.gz"
+    table = _refused_rows(0, 23)
+    buffer = io.BytesIO()
+    pa.csv.write_csv(table, buffer)
+    path.write_bytes(gzip.compress(buffer.getvalue()))
+    cfg = _refused_config(tmp_path, str(path), shard_size=5)
+    run_download(cfg, RunOptions(show_progress=False))
+    split = list((tmp_path / "out" / "inputs").iterdir())
+    assert len(split) == 1 and pq.ParquetFile(split[0]).metadata.num_row_groups == 5
+    made = split[0].stat().st_mtime_ns
+    first = _raw_rows(tmp_path / "out")
+    for stats in (tmp_path / "out" / "raw").glob("*_stats.json"):
+        stats.unlink()
+    run_download(cfg, RunOptions(show_progress=False))
+    assert split[0].stat().st_mtime_ns == made
+    again = _raw_rows(tmp_path / "out")
+    assert [r["url"] for r in again] == [r["url"] for r in first] == table["url"].to_pylist()
+    assert [r["caption"] for r in again] == table["caption"].to_pylist()
+    assert len(on_ray_calls) == on_ray  # the first run only

@@ -1,51 +1,105 @@
-"""Reading input lists and splitting them into shards with stable keys.
+"""Planning a run's input into shards with stable keys, and reading one shard's rows.
 
 Sources: url lists (txt, csv, tsv, json, jsonl — each optionally gzipped — and parquet,
 local or any fsspec URL), a folder of images with ``.txt`` sidecars, and existing
-WebDataset tars. Every source becomes one Arrow table with the columns ``url``,
-``caption`` (binary: it is decoded, and rejected if invalid, per row by the download
-stage), ``source`` (where to read local bytes, null for HTTP) and the user's extra
-columns. Problems that make the whole input unusable raise ``ConfigError`` before any
-work starts.
+WebDataset tars. The driver reads metadata only (the file list, parquet footers, the
+first line of a text file), never the rows: a shard is a list of row ranges of parquet
+files, and its task reads them itself (``read_shard_rows``). Inputs without usable row
+groups are first written as parquet by the splitting pass (download/split.py), which
+pipeline/download_stage.py places on Ray. Shard ``k`` holds rows ``k·shard_size`` up to
+the next shard's of all inputs in order, across file ends, so its id and keys depend only
+on the rows before it. Problems that make the whole input unusable (a path that matches
+nothing, a missing column, a parquet footer that cannot be read) raise ``ConfigError``
+before any work starts; a file that cannot be read later fails its task with a message
+naming it.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import posixpath
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import fsspec
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from pairforge.config import ConfigError, InputConfig
-from pairforge.shards.tar import iter_samples
-from pairforge.tables import detect_format, read_bytes, read_table_file
+from pairforge.config import ConfigError, InputConfig, PairforgeConfig
+from pairforge.download.split import (
+    SPLIT_FOLDER,
+    SplitJob,
+    check_columns,
+    needed_columns,
+    normalise_table,
+    normalised_schema,
+    split_job,
+    split_rows,
+)
+from pairforge.shards.storage import OutputDir
+from pairforge.tables import detect_format, peek_columns
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 BUNDLED_SAMPLE = "bundled-sample"
+# A parquet input is split (rewritten in shard-sized row groups) when a row group holds
+# more than this many shards' rows, and more rows than a task decodes in a blink: else
+# each shard task would decode and read up to a whole group for its own few rows.
+_GROUP_SHARDS, _GROUP_ROWS_READ_WHOLE = 4, 65536
+_METADATA_THREADS = 16  # footers and headers are read side by side (object stores)
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """Rows [start, stop) of one parquet file."""
+
+    path: str  # fsspec URL
+    start: int
+    stop: int
+    file_rows: int  # the file's rows at planning: a file changed since is refused
+    split: bool  # written by the splitting pass (under OUT, normalised columns)
 
 
 @dataclass(frozen=True)
 class InputShard:
     shard_id: int
-    rows: pa.Table  # url, caption (binary), source, extras; row i gets key make_key(id, i)
+    ranges: tuple[RowRange, ...]  # row i of them gets key make_key(id, first_row + i)
     # A part of a shard whose rows are split over several tasks (the run's tail): its rows
     # start at first_row of the shard, and the parts are merged into the one shard.
     first_row: int = 0
     part: int = 0
     parts: int = 1
 
+    @property
+    def num_rows(self) -> int:
+        return sum(r.stop - r.start for r in self.ranges)
+
     def split(self, parts: int) -> list[InputShard]:
         """The shard as ``parts`` tasks of consecutive rows (never an empty one)."""
-        parts = max(1, min(parts, self.rows.num_rows))
+        parts = max(1, min(parts, self.num_rows))
         if parts == 1:
             return [self]
-        bounds = [round(i * self.rows.num_rows / parts) for i in range(parts + 1)]
-        return [InputShard(self.shard_id, self.rows.slice(lo, hi - lo), lo, i, parts)
+        bounds = [round(i * self.num_rows / parts) for i in range(parts + 1)]
+        return [InputShard(self.shard_id, _cut(self.ranges, lo, hi), lo, i, parts)
                 for i, (lo, hi) in enumerate(itertools.pairwise(bounds))]
+
+
+def _cut(ranges: tuple[RowRange, ...], lo: int, hi: int) -> tuple[RowRange, ...]:
+    """Rows [lo, hi) of the rows the ranges hold one after another."""
+    cut, at = [], 0
+    for r in ranges:
+        start, stop = max(lo - at, 0), min(hi - at, r.stop - r.start)
+        if stop > start:
+            cut.append(replace(r, start=r.start + start, stop=r.start + stop))
+        at += r.stop - r.start
+    return tuple(cut)
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """A parquet file a shard task reads rows of, in input order."""
+
+    path: str  # fsspec URL
+    rows: int
+    split: bool
 
 
 def _expand_paths(cfg: InputConfig) -> list[tuple[fsspec.AbstractFileSystem, str]]:
@@ -61,100 +115,128 @@ def _expand_paths(cfg: InputConfig) -> list[tuple[fsspec.AbstractFileSystem, str
     return found
 
 
-def _as_binary(column: pa.ChunkedArray) -> pa.ChunkedArray:
-    if pa.types.is_binary(column.type):
-        return column
-    if pa.types.is_large_binary(column.type):
-        return column.cast(pa.binary())
-    return column.cast(pa.string()).cast(pa.binary())
+def _groups_too_big(meta: pq.FileMetaData, shard_size: int) -> bool:
+    largest = max((meta.row_group(i).num_rows for i in range(meta.num_row_groups)), default=0)
+    return largest > max(_GROUP_SHARDS * shard_size, _GROUP_ROWS_READ_WHOLE)
 
 
-def normalise_table(table: pa.Table, cfg: InputConfig, path: str) -> pa.Table:
-    """Check the named columns exist and bring the table to the common input shape."""
-    needed = [cfg.url_col, *([cfg.caption_col] if cfg.caption_col else []),
-              *cfg.save_additional_columns]
-    missing = [c for c in needed if c not in table.column_names]
-    if missing:
-        raise ConfigError(
-            f"input {path!r} has no column {', '.join(repr(m) for m in missing)} "
-            f"(columns: {', '.join(table.column_names)}); set input.url_col / "
-            "input.caption_col / input.save_additional_columns")
-    n = table.num_rows
-    caption = (_as_binary(table[cfg.caption_col]) if cfg.caption_col
-               else pa.nulls(n, pa.binary()))
-    columns = {
-        "url": table[cfg.url_col].cast(pa.string()),
-        "caption": caption,
-        "source": pa.nulls(n, pa.string()),
-    }
-    for extra in cfg.save_additional_columns:
-        columns[extra] = table[extra].cast(pa.string())
-    return pa.table(columns)
+def _plan_one(fs: fsspec.AbstractFileSystem, path: str,
+              cfg: InputConfig) -> InputFile | SplitJob:
+    """One input from its metadata: a parquet file read in place, or the split it needs."""
+    fmt = cfg.format
+    if fmt == "auto":
+        fmt = "folder" if fs.isdir(path) else detect_format(path)
+    if fmt in ("folder", "webdataset"):
+        return split_job(fs, path, fmt, cfg)
+    if fmt != "parquet":
+        check_columns(peek_columns(fs, path, fmt, cfg.url_col), cfg, path)
+        return split_job(fs, path, fmt, cfg)
+    try:
+        with fs.open(path, "rb") as f:
+            parquet = pq.ParquetFile(f)
+            columns, meta = parquet.schema_arrow.names, parquet.metadata
+    except (OSError, pa.ArrowException) as err:
+        raise ConfigError(f"cannot read input {path!r} as parquet: {err}") from None
+    check_columns(columns, cfg, path)
+    if _groups_too_big(meta, cfg.shard_size):
+        return split_job(fs, path, fmt, cfg)
+    return InputFile(fs.unstrip_protocol(path), meta.num_rows, split=False)
 
 
-def _folder_rows(fs: fsspec.AbstractFileSystem, root: str, cfg: InputConfig) -> pa.Table:
-    """Images in a folder tree; the caption is the sidecar ``NAME.txt`` (null if absent)."""
-    files = sorted(fs.find(root))
-    images = [f for f in files if f.lower().endswith(IMAGE_EXTENSIONS)]
-    sidecars = set(files)
-    urls, captions = [], []
-    for image in images:
-        sidecar = posixpath.splitext(image)[0] + ".txt"
-        captions.append(read_bytes(fs, sidecar).strip() if sidecar in sidecars else None)
-        urls.append(fs.unstrip_protocol(image))
-    return pa.table({"url": pa.array(urls, pa.string()),
-                     "caption": pa.array(captions, pa.binary()),
-                     "source": pa.array(urls, pa.string())})
+SplitRunner = Callable[[list[SplitJob]], list[int]]  # the jobs' rows, in order
 
 
-def _tar_rows(fs: fsspec.AbstractFileSystem, path: str, cfg: InputConfig) -> pa.Table:
-    """Samples of an existing WebDataset tar: the image is read back from the tar later
-    (download/shard.py matches ``KEY.EXT`` the way shards/tar.py groups members)."""
-    urls, captions, sources = [], [], []
-    location = fs.unstrip_protocol(path)
-    with fs.open(path, "rb", compression="infer") as f:
-        for key, files in iter_samples(f):
-            image_ext = next((e for e in files if "." + e in IMAGE_EXTENSIONS), None)
-            if image_ext is None:
-                continue
-            meta = json.loads(files.get("json") or b"{}")
-            urls.append(meta.get("url") or f"{location}#{key}.{image_ext}")
-            captions.append(files.get("txt"))
-            sources.append(f"tar:{location}#{key}.{image_ext}")
-    return pa.table({"url": pa.array(urls, pa.string()),
-                     "caption": pa.array(captions, pa.binary()),
-                     "source": pa.array(sources, pa.string())})
-
-
-def read_input_table(cfg: InputConfig) -> pa.Table:
-    """All input rows as one table in a stable order; ConfigError on any unusable input."""
-    if cfg.path == BUNDLED_SAMPLE:
-        raise ConfigError("the bundled sample is served by the build; call bundled_input()")
-    tables = []
-    for fs, path in _expand_paths(cfg):
-        fmt = cfg.format
-        if fmt == "auto":
-            fmt = "folder" if fs.isdir(path) else detect_format(path)
-        if fmt == "folder":
-            tables.append(_folder_rows(fs, path, cfg))
-        elif fmt == "webdataset":
-            tables.append(_tar_rows(fs, path, cfg))
-        else:
-            try:
-                # captions as bytes, so one row with invalid UTF-8 fails alone, later
-                raw = read_table_file(fs, path, fmt, {cfg.caption_col: pa.binary()}
-                                      if cfg.caption_col else {}, txt_column=cfg.url_col)
-            except (pa.ArrowInvalid, ValueError) as err:
-                raise ConfigError(f"cannot parse input {path!r} as {fmt}: {err}") from None
-            tables.append(normalise_table(raw, cfg, path))
-    if not tables:
+def plan_input(cfg: PairforgeConfig, run_splits: SplitRunner) -> list[InputShard]:
+    """The run's shards, from the inputs' metadata; inputs that need the splitting pass
+    are split by ``run_splits`` (download_stage: Ray tasks) unless a rerun finds them done."""
+    if cfg.input.path == BUNDLED_SAMPLE:
+        raise ConfigError("the bundled sample is served by the build "
+                          "(pipeline/download_stage.input_shards)")
+    paths = _expand_paths(cfg.input)
+    if not paths:
         raise ConfigError("input.path matched no files")
-    return pa.concat_tables(tables, promote_options="permissive")
+    with ThreadPoolExecutor(min(_METADATA_THREADS, len(paths))) as pool:
+        planned = list(pool.map(lambda p: _plan_one(*p, cfg.input), paths))
+        jobs = [p for p in planned if isinstance(p, SplitJob)]
+        out = OutputDir(cfg.output.path, cfg.output.storage_options)
+        if jobs and out.exists(SPLIT_FOLDER):
+            out.remove_temporaries(SPLIT_FOLDER)  # a killed split leaves its temporary
+        done = list(pool.map(lambda job: split_rows(job, out), jobs))
+    rows_of = {job: rows for job, rows in zip(jobs, done, strict=True) if rows is not None}
+    todo = [job for job in dict.fromkeys(jobs) if job not in rows_of]  # an input named twice
+    if todo:
+        rows_of.update(zip(todo, run_splits(todo), strict=True))
+    files = [p if isinstance(p, InputFile) else
+             InputFile(out.uri(SPLIT_FOLDER, p.target), rows_of[p], split=True)
+             for p in planned]
+    return list(shards_of(files, cfg.input.shard_size))
 
 
-def split_shards(table: pa.Table, shard_size: int) -> Iterator[InputShard]:
-    for shard_id, start in enumerate(range(0, table.num_rows, shard_size)):
-        yield InputShard(shard_id, table.slice(start, shard_size))
+def shards_of(files: list[InputFile], shard_size: int) -> Iterator[InputShard]:
+    """Shards of ``shard_size`` rows of the files one after another (the last shorter)."""
+    shard_id, ranges, filled = 0, [], 0
+    for file in files:
+        start = 0
+        while start < file.rows:
+            take = min(shard_size - filled, file.rows - start)
+            ranges.append(RowRange(file.path, start, start + take, file.rows, file.split))
+            start, filled = start + take, filled + take
+            if filled == shard_size:
+                yield InputShard(shard_id, tuple(ranges))
+                shard_id, ranges, filled = shard_id + 1, [], 0
+    if ranges:
+        yield InputShard(shard_id, tuple(ranges))
+
+
+def _rows_between(parquet: pq.ParquetFile, start: int, stop: int,
+                  columns: list[str]) -> pa.Table:
+    """Rows [start, stop) of a parquet file, reading only the row groups they lie in and
+    decoding no further than ``stop``."""
+    groups, first, offset = [], 0, 0
+    for i in range(parquet.metadata.num_row_groups):
+        rows = parquet.metadata.row_group(i).num_rows
+        if offset < stop and offset + rows > start:
+            first = offset if not groups else first
+            groups.append(i)
+        offset += rows
+    batches, at = [], first
+    for batch in parquet.iter_batches(batch_size=min(stop - start, 65536), row_groups=groups,
+                                      columns=columns):
+        lo, hi = max(start - at, 0), min(stop - at, batch.num_rows)
+        if hi > lo:
+            batches.append(batch.slice(lo, hi - lo))
+        at += batch.num_rows
+        if at >= stop:
+            break
+    return pa.Table.from_batches(batches)
+
+
+def _read_range(r: RowRange, cfg: PairforgeConfig) -> pa.Table:
+    options = cfg.output.storage_options if r.split else cfg.input.storage_options
+    extras = cfg.input.save_additional_columns
+    columns = list(normalised_schema(extras).names) if r.split else needed_columns(cfg.input)
+    where = f"rows {r.start}-{r.stop - 1} of input {r.path!r}"
+    try:
+        with fsspec.open(r.path, "rb", **options) as f:
+            # buffer_size: pages are read as they are decoded, not a whole row group at once
+            parquet = pq.ParquetFile(f, buffer_size=1 << 20)
+            if parquet.metadata.num_rows != r.file_rows:
+                raise ConfigError(f"cannot read {where}: it has {parquet.metadata.num_rows} "
+                                  f"rows, {r.file_rows} when the run was planned; rerun to "
+                                  "plan again")
+            table = _rows_between(parquet, r.start, r.stop, columns)
+    except (OSError, pa.ArrowException) as err:
+        raise ConfigError(f"cannot read {where}: {type(err).__name__}: {err}") from None
+    if table.num_rows != r.stop - r.start:
+        raise ConfigError(f"cannot read {where}: only {table.num_rows} rows found")
+    return table.cast(normalised_schema(extras)) if r.split else \
+        normalise_table(table, cfg.input, r.path)
+
+
+def read_shard_rows(shard: InputShard, cfg: PairforgeConfig) -> pa.Table:
+    """The shard's rows (url, caption as bytes, source, extras), read by its task; a file
+    that is gone, changed or corrupt raises ConfigError naming it."""
+    return pa.concat_tables([_read_range(r, cfg) for r in shard.ranges])
 
 
 def tail_parts(shards: list[InputShard], slots: int) -> list[InputShard]:

@@ -25,7 +25,7 @@ import fsspec
 from pairforge.config import PairforgeConfig
 from pairforge.download.fetch import Fetcher, FetchResult
 from pairforge.download.imageproc import ImageFailure, ProcessedImage, process_image
-from pairforge.download.inputs import InputShard
+from pairforge.download.inputs import InputShard, read_shard_rows
 from pairforge.machine import usable_cores
 from pairforge.records import Status, index_digits, json_safe, make_key
 from pairforge.shards.raw import RawShardWriter
@@ -53,7 +53,7 @@ def _read_tar_members(sources: list[str], storage_options: dict[str, Any]) -> di
     """Bytes of every ``tar:LOCATION#MEMBER`` source, one sequential pass per tar.
 
     Members are matched as the input reader named them: by sample key and extension,
-    the extension's case ignored (``inputs._tar_rows`` keys them the same way). A
+    the extension's case ignored (``split._tar_batches`` keys them the same way). A
     ``.tar.gz`` is decompressed on the fly by fsspec.
     """
     wanted: dict[str, dict[tuple[str | None, str], str]] = defaultdict(dict)
@@ -144,7 +144,7 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, 
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(RAW_FOLDER)
     extras = cfg.input.save_additional_columns
-    rows = shard.rows.to_pylist()
+    rows = read_shard_rows(shard, cfg).to_pylist()  # the task reads its own rows
     digits = index_digits(cfg.input.shard_size)
     for i, row in enumerate(rows, start=shard.first_row):
         row["key"] = make_key(shard.shard_id, i, digits)

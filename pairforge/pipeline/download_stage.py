@@ -8,17 +8,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pairforge.config import PairforgeConfig
+from pairforge.config import ConfigError, PairforgeConfig
 from pairforge.download.folder_server import bundled_sample_table, serve_directory
 from pairforge.download.inputs import (
     BUNDLED_SAMPLE,
+    InputFile,
     InputShard,
-    normalise_table,
-    read_input_table,
-    split_shards,
+    plan_input,
+    shards_of,
     tail_parts,
 )
 from pairforge.download.shard import download_shard
+from pairforge.download.split import SPLIT_FOLDER, SplitJob, normalise_table, run_split, write_split
 from pairforge.pipeline.entry import RunOptions, summarise
 from pairforge.pipeline.progress import ProgressCounter, StageDisplay, say
 from pairforge.pipeline.ray_runtime import driver_local_actor, init_ray
@@ -30,15 +31,73 @@ from pairforge.shards.storage import RAW_FOLDER, OutputDir
 
 @contextmanager
 def input_shards(cfg: PairforgeConfig) -> Iterator[list[InputShard]]:
-    """The input split into shards; the bundled sample is served while the block runs."""
+    """The input planned into shards from its metadata, inputs without row groups split
+    on Ray first; the bundled sample is served while the block runs."""
     if cfg.input.path != BUNDLED_SAMPLE:
-        yield list(split_shards(read_input_table(cfg.input), cfg.input.shard_size))
+        yield plan_input(cfg, lambda jobs: _split(jobs, cfg))
         return
     from pairforge.download.folder_server import SAMPLE_DIR
 
     with serve_directory(SAMPLE_DIR) as base_url:
+        # a few dozen rows whose URLs name this run's port: written again by every run
+        out = OutputDir(cfg.output.path, cfg.output.storage_options)
         table = normalise_table(bundled_sample_table(base_url), cfg.input, BUNDLED_SAMPLE)
-        yield list(split_shards(table, cfg.input.shard_size))
+        rows = write_split(out, f"{BUNDLED_SAMPLE}.parquet", [table],
+                           cfg.input.save_additional_columns, cfg.input.shard_size)
+        sample = InputFile(out.uri(SPLIT_FOLDER, f"{BUNDLED_SAMPLE}.parquet"), rows, split=True)
+        yield list(shards_of([sample], cfg.input.shard_size))
+
+
+# Inputs to split of at most this many bytes in all are split by the driver itself: a
+# split streams (about one row group in memory), and a Ray task's start and round trip
+# would come before the first download of a small run.
+SPLIT_HERE_BYTES = 16 << 20
+
+
+def _split(jobs: list[SplitJob], cfg: PairforgeConfig) -> list[int]:
+    """The splitting pass (download/split.py) of ``jobs``; their rows."""
+    sizes = [job.size for job in jobs]
+    if None not in sizes and sum(sizes) <= SPLIT_HERE_BYTES:
+        return [run_split(job, cfg) for job in jobs]
+    return _split_on_ray(jobs, cfg)
+
+
+def _split_on_ray(jobs: list[SplitJob], cfg: PairforgeConfig) -> list[int]:
+    """The splitting pass (download/split.py): one Ray task per input; their rows."""
+    import ray
+
+    out = OutputDir(cfg.output.path, cfg.output.storage_options)
+    say(f"input: splitting {len(jobs)} input file(s) into {out.uri(SPLIT_FOLDER)}; "
+        "starting Ray…")
+    init_ray(cfg.ray)
+    task = ray.remote(num_cpus=1, max_retries=cfg.ray.max_task_retries)(_split_task)
+    limit = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    rows: dict[SplitJob, int] = {}
+    started = time.time()
+    with task_errors_raised():
+        _run_bounded(jobs, lambda job: task.remote(job, cfg), limit, lambda _: None,
+                     lambda result: rows.update([result]))
+    say(f"input: {len(jobs)} file(s), {sum(rows.values()):,} rows split in "
+        f"{time.time() - started:.1f} s")
+    return [rows[job] for job in jobs]
+
+
+def _split_task(job: SplitJob, cfg: PairforgeConfig) -> tuple[SplitJob, int]:
+    return job, run_split(job, cfg)
+
+
+@contextmanager
+def task_errors_raised() -> Iterator[None]:
+    """A task's ConfigError (an input file that cannot be read) reaches the user as its
+    own message naming the file, not inside Ray's traceback of the task."""
+    from ray.exceptions import RayTaskError
+
+    try:
+        yield
+    except RayTaskError as err:
+        if isinstance(err.cause, ConfigError):
+            raise err.cause from None
+        raise
 
 
 def _download_task(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, Any],
@@ -75,7 +134,7 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
         task = ray.remote(num_cpus=1, max_retries=cfg.ray.max_task_retries)(_download_task)
         limit = cfg.download.processes or max(1, int(ray.cluster_resources().get("CPU", 1)))
         skipped = len(shards) - len(todo)
-        rows_todo = sum(s.rows.num_rows for s in todo)
+        rows_todo = sum(s.num_rows for s in todo)
         display = StageDisplay("download", len(shards), rows_todo, skipped, live=show_progress)
         merged: list[int] = []  # shards complete, parts merged
         parts: dict[int, list[dict[str, Any]]] = {}
@@ -95,7 +154,7 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
 
         settings = settings_record(stage_settings(cfg, "download"))
         started = time.time()
-        with display:
+        with display, task_errors_raised():
             _run_bounded(tail_parts(todo, limit), lambda s: task.remote(s, cfg, settings, counter),
                          limit, tick, done_task, on_slots=counter.share.remote)
         ray.kill(counter)
@@ -122,18 +181,27 @@ def _run_bounded(items: list, submit, limit: int, on_tick, on_result=None,  # no
     import ray
 
     queue, in_flight, finished, slots = list(items), [], 0, 1
-    while queue or in_flight:
-        while queue and len(in_flight) < limit:
-            in_flight.append(submit(queue.pop(0)))
-        # the first task to finish frees its slot at once, not at the next tick
-        ready, in_flight = ray.wait(in_flight, num_returns=1, timeout=0.5, fetch_local=False)
-        for ref in ready:
-            result = ray.get(ref)  # re-raises a task's error in the driver
-            if on_result:
-                on_result(result)
-            finished += 1
-        on_tick(finished)
-        now = slots_per_task(limit, len(queue), len(in_flight))
-        if on_slots and in_flight and now != slots:
-            on_slots(now)
-        slots = now
+    try:
+        while queue or in_flight:
+            while queue and len(in_flight) < limit:
+                in_flight.append(submit(queue.pop(0)))
+            # the first task to finish frees its slot at once, not at the next tick
+            ready, in_flight = ray.wait(in_flight, num_returns=1, timeout=0.5,
+                                        fetch_local=False)
+            for ref in ready:
+                result = ray.get(ref)  # re-raises a task's error in the driver
+                if on_result:
+                    on_result(result)
+                finished += 1
+            on_tick(finished)
+            now = slots_per_task(limit, len(queue), len(in_flight))
+            if on_slots and in_flight and now != slots:
+                on_slots(now)
+            slots = now
+    except BaseException:
+        # The stage stops: its other tasks stop too, rather than write on behind a rerun
+        # started in the same process (a shard they leave is incomplete, so redone).
+        for ref in in_flight:
+            ray.cancel(ref)
+        raise
+

@@ -93,7 +93,7 @@ def input_problems(cfg: PairforgeConfig) -> list[str]:
 
     if cfg.input.path == BUNDLED_SAMPLE:
         return []
-    def format_of(fs, path: str) -> str:  # noqa: ANN001 - as read_input_table decides it
+    def format_of(fs, path: str) -> str:  # noqa: ANN001 - as inputs._plan_one decides it
         if cfg.input.format != "auto" or fs.isdir(path):
             return cfg.input.format
         return detect_format(path)
