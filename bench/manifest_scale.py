@@ -80,15 +80,15 @@ def _rss_mib() -> float:
 
 def _synthetic_stats(shards: int) -> None:
     """Replace the listing and the reads of the stats files by stats made here."""
-    import numpy as np
+    from array import array
 
     from pairforge.shards import manifest
 
-    def batches(out: object, ids: np.ndarray):
+    def batches(out: object, ids: array):
         for shard_id in ids:
-            yield _shard_stats(int(shard_id)), _raw_stats(int(shard_id))
+            yield _shard_stats(shard_id), _raw_stats(shard_id)
 
-    manifest.stats_ids = lambda out, folder: np.arange(shards, dtype=np.int64)
+    manifest.stats_ids = lambda out, folder: array("i", range(shards))
     manifest._stats_batches = batches
 
 
