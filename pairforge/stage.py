@@ -196,11 +196,12 @@ class Step:
         return {}
 
     @classmethod
-    def manifest_entries(cls, cfg: PairforgeConfig, shards: list[dict[str, Any]],
+    def manifest_entries(cls, cfg: PairforgeConfig, first: dict[str, Any],
                          totals: dict[str, Any]) -> dict[str, Any]:
         """What the manifest says of it, by section: a mapping updates the section
-        (``{"models": {...}}``), a list extends it. ``shards``: every shard's stats;
-        ``totals``: its rows in and out, rows ended and seconds over them."""
+        (``{"models": {...}}``), a list extends it. ``first``: the first shard's stats ({}
+        when there is none; the manifest is folded over the shards, never holds them all);
+        ``totals``: its rows in and out, rows ended and seconds over all the shards."""
         return {}
 
     def process(self, rows: pa.Table) -> StepResult:

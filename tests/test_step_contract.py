@@ -65,7 +65,7 @@ class ToyStep(ModelStep):
             settings=setting_values(toy, "process.toy."))
 
     @classmethod
-    def manifest_entries(cls, cfg: PairforgeConfig, shards: list, totals: dict) -> dict:
+    def manifest_entries(cls, cfg: PairforgeConfig, first: dict, totals: dict) -> dict:
         return {"models": {"toy": cfg.process.toy.model if cls.enabled(cfg) else None}}
 
     def process(self, rows: pa.Table) -> StepResult:
@@ -136,8 +136,10 @@ def test_the_start_up_line_and_the_manifest_name_the_toy_model(tmp_path, with_to
     cfg = _cfg(tmp_path, pool_size=2)
     assert chain.enabled_steps(cfg)[-1] is ToyStep
     assert _step_line(ToyStep, cfg) == f"toy ({tmp_path / 'toy'} on 2 actors)"
-    manifest = build_manifest(OutputDir(str(tmp_path / "out")), cfg, chain.stage_steps(cfg))
-    assert manifest["models"] == {"clip": None, "clip_threshold": None, "recaption": None,
+    with build_manifest(OutputDir(str(tmp_path / "out")), cfg,
+                        chain.stage_steps(cfg)) as manifest:
+        models = manifest.fields["models"]
+    assert models == {"clip": None, "clip_threshold": None, "recaption": None,
                                   "toy": str(tmp_path / "toy")}
 
 

@@ -19,7 +19,7 @@ from PIL import Image
 from pairforge.config import TasksConfig
 from pairforge.records import SAMPLE_FIELDS, json_safe, process_fields, raw_schema
 from pairforge.shards.features import hf_features
-from pairforge.shards.manifest import write_dataset_files
+from pairforge.shards.manifest import Manifest, write_dataset_files
 from pairforge.shards.storage import RAW_FOLDER, OutputDir
 from pairforge.shards.tar import SampleTarWriter
 from pairforge.shards.training import write_training_shard
@@ -73,8 +73,11 @@ def dataset(tmp_path_factory):
         shards.append({"name": f"{shard_id:05d}.tar", "samples": stats["successes"]})
         expected = [json_safe({f: r.get(f) for f in SAMPLE_FIELDS}) for r in rows]
         shards[-1]["expected"] = expected
-    write_dataset_files(out, {"shards": shards, "vocab": None,
-                              "config": {"download": {"image": {"encode_format": "jpg"}}}})
+    with Manifest({"vocab": None,
+                   "config": {"download": {"image": {"encode_format": "jpg"}}}}) as manifest:
+        for shard_id, entry in enumerate(shards):
+            manifest.add_shard(shard_id, entry)
+        write_dataset_files(out, manifest)
     return root, [e for s in shards for e in s["expected"]]
 
 

@@ -282,7 +282,7 @@ class ClassifierStep(ModelStep):
             settings=setting_values(entry, f"process.classifiers.{entry.name}."))
 
     @classmethod
-    def manifest_entries(cls, cfg: PairforgeConfig, shards: list[dict[str, Any]],
+    def manifest_entries(cls, cfg: PairforgeConfig, first: dict[str, Any],
                          totals: dict[str, Any]) -> dict[str, Any]:
         """The classifier as configured (model or head file, label, bound, status) and the
         rows it scored and dropped over the shards on disk."""

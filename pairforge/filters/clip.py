@@ -138,9 +138,9 @@ class ClipStep(ScoringStep, ModelStep):
         return stats
 
     @classmethod
-    def manifest_entries(cls, cfg: PairforgeConfig, shards: list[dict[str, Any]],
+    def manifest_entries(cls, cfg: PairforgeConfig, first: dict[str, Any],
                          totals: dict[str, Any]) -> dict[str, Any]:
-        first = shards[0] if shards else {}  # the model and threshold the shards were made with
+        # the model and threshold the shards were made with (the same in every shard)
         return {"models": {"clip": first.get("clip_model"),
                            "clip_threshold": first.get("clip_threshold")}}
 

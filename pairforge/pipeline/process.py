@@ -119,9 +119,9 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
     for folder in (SHARDS_FOLDER, SCORES_FOLDER, EMBEDDINGS_FOLDER):
         out.remove_temporaries(folder)
     seconds = time.time() - started
-    manifest = build_manifest(out, cfg, stage_steps(cfg))
-    manifest["log"] = log  # this run's log file, relative to OUT (each stage run has one)
-    write_dataset_files(out, manifest)
+    with build_manifest(out, cfg, stage_steps(cfg)) as manifest:
+        manifest.fields["log"] = log  # this run's log file, relative to OUT (one a stage run)
+        write_dataset_files(out, manifest)
     summary = summarise(out, SHARDS_FOLDER, all_ids)
     return {**summary, "shards_skipped": len(all_ids) - len(plans), "seconds": round(seconds, 2),
             "rows_per_s": round(rows / seconds, 1) if rows else None, **stats_extra}

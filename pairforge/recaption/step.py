@@ -156,7 +156,7 @@ class RecaptionStep(ModelStep):
                             settings=setting_values(rc, "process.recaption.", skip))
 
     @classmethod
-    def manifest_entries(cls, cfg: PairforgeConfig, shards: list[dict[str, Any]],
+    def manifest_entries(cls, cfg: PairforgeConfig, first: dict[str, Any],
                          totals: dict[str, Any]) -> dict[str, Any]:
         rc = cfg.process.recaption
         return {"models": {"recaption": rc.model if rc.enabled else None}}
