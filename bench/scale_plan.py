@@ -16,9 +16,7 @@ bench/scale_plan.py --child VARIANT ROWS DIR``), which reports its own peak RSS.
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
 import resource
 import shutil
@@ -29,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SIZES = (10**5, 10**6, 10**7)
 FILE_ROWS = 10**6  # rows per synthetic input file
 SHARD_SIZE = 10**4
 
@@ -56,18 +53,6 @@ def _measure(stage: str, variant: str, rows: int, workdir: Path,
     if proc.returncode:
         raise RuntimeError(f"{stage}/{variant} at {rows} rows failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _exponents(entry: dict[str, dict[str, Any]], key: str) -> str:
-    """rows^k growth of ``key`` between consecutive sizes, e.g. '1e5→1e6 k=0.02'."""
-    sizes = sorted(int(rows) for rows in entry)
-    parts = []
-    for small, big in zip(sizes, sizes[1:], strict=False):
-        a, b = entry[str(small)].get(key), entry[str(big)].get(key)
-        if a and b:
-            k = math.log(b / a) / math.log(big / small)
-            parts.append(f"{small:.0e}→{big:.0e} ×{b / a:.2f} (k={k:.2f})")
-    return ", ".join(parts)
 
 
 # -- plan: stage 1 planning, and a download of refused rows end to end --------------------
@@ -142,27 +127,6 @@ def _plan_child(variant: str, rows: int, workdir: Path) -> dict[str, Any]:
                 "shards": count}
     finally:
         shutil.rmtree(out, ignore_errors=True)
-
-
-def plan_stage(args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    for rows in args.sizes:
-        _plan_inputs(rows, args.dir)
-        entry = {variant: _measure("plan", variant, rows, args.dir)
-                 for variant in _PLAN_VARIANTS}
-        if rows <= 10**6:
-            entry["download"] = _measure("plan", "download", rows, args.dir)
-        for key in ("driver_peak_rss_mib", "seconds"):
-            entry[key] = max(entry[v][key] for v in _PLAN_VARIANTS)
-        results[str(rows)] = entry
-        print(f"plan {rows:>10,} rows: " + "; ".join(
-            f"{name} {m['driver_peak_rss_mib']:.0f} MiB {m['seconds']:.2f} s"
-            for name, m in entry.items() if isinstance(m, dict)), flush=True)
-    for name in (*_PLAN_VARIANTS, "download"):
-        per_size = {rows: entry[name] for rows, entry in results.items() if name in entry}
-        print(f"  {name}: RSS {_exponents(per_size, 'driver_peak_rss_mib')}; "
-              f"seconds {_exponents(per_size, 'seconds')}")
-    return results
 
 
 def measure_plan(rows: int, work: Path) -> dict[str, Any]:
