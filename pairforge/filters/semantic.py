@@ -128,10 +128,18 @@ def kmeans(sample: np.ndarray, k: int, iterations: int = 10, seed: int = 0) -> n
         counts = np.bincount(labels, minlength=k)
         empty = np.flatnonzero(counts == 0)
         if len(empty):
-            fit = np.einsum("ij,ij->i", sample, centroids[labels])
-            sums[empty] = sample[np.argsort(fit)[:len(empty)]]
+            sums[empty] = sample[np.argsort(_fit(sample, centroids, labels))[:len(empty)]]
         centroids = normalise(sums)
     return centroids
+
+
+def _fit(x: np.ndarray, centroids: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Each row's similarity to its centroid, in blocks (no copy of the rows' size)."""
+    fit = np.empty(len(x), np.float32)
+    for start in range(0, len(x), _BLOCK):
+        end = start + _BLOCK
+        fit[start:end] = np.einsum("ij,ij->i", x[start:end], centroids[labels[start:end]])
+    return fit
 
 
 def cluster_pairs(x: np.ndarray, members: np.ndarray, threshold: float

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from pairforge.filters.components import LABEL_SCHEMA, write_edges
 from pairforge.filters.dedup import best_of_groups, survivor_order
@@ -44,7 +45,14 @@ from pairforge.filters.semantic import (
     normalise,
     sample_mask,
 )
-from pairforge.filters.shuffle import mix64, part_of, read_part, read_tables, write_parts
+from pairforge.filters.shuffle import (
+    mix64,
+    part_of,
+    read_part,
+    read_tables,
+    write_parts,
+    write_table,
+)
 from pairforge.records import Status
 
 # (shard id, with vectors) -> the shard's rows that take part: a table of (key, area),
@@ -100,19 +108,38 @@ def count_unit(reader: RowsReader, shards: list[int]) -> int:
     return sum(reader(shard, False)[0].num_rows for shard in shards)
 
 
-def sample_unit(reader: RowsReader, shards: list[int], rows: int, size: int, seed: int
-                ) -> tuple[pa.Array, np.ndarray]:
+def sample_unit(reader: RowsReader, shards: list[int], rows: int, size: int, seed: int,
+                work: Work, unit: int) -> int:
     """Phase 2: the keys and unit vectors of the unit's rows in the k-means sample of
-    about ``size`` of ``rows`` (no vectors: a (0, 0) array)."""
-    keys, vectors = [pa.array([], pa.string())], []
+    about ``size`` of ``rows``, written to the unit's sample file; how many."""
+    tables = []
     for shard in shards:
         table, x = reader(shard, True)
         chosen = sample_mask(table["key"], rows, size, seed)
         if chosen.any():
-            keys.append(table["key"].filter(pa.array(chosen)).combine_chunks())
-            vectors.append(normalise(x[chosen]))
-    return pa.concat_arrays(keys), (np.concatenate(vectors) if vectors
-                                    else np.zeros((0, 0), np.float32))
+            tables.append(pa.table({"key": table["key"].filter(pa.array(chosen)),
+                                    "vector": _vectors(normalise(x[chosen]))}))
+    if tables:
+        write_table(work.fs(), work.file("sample", unit), pa.concat_tables(tables))
+    return sum(len(t) for t in tables)
+
+
+def read_sample(work: Work, units: int, rows: int) -> tuple[pa.Array, np.ndarray]:
+    """The ``rows`` sampled rows' keys and vectors, in unit order, read file by file into
+    one array (the driver's: no second copy, nothing through Ray's object store)."""
+    fs, keys, x, filled = work.fs(), [], None, 0
+    for unit in range(units):
+        if not fs.exists(work.file("sample", unit)):
+            continue
+        with fs.open(work.file("sample", unit), "rb") as handle:
+            table = pq.read_table(handle)
+        part = _matrix(table["vector"], table.schema.field("vector").type.list_size)
+        if x is None:
+            x = np.empty((rows, part.shape[1]), np.float32)
+        x[filled:filled + len(part)] = part
+        filled += len(part)
+        keys.append(table["key"].combine_chunks())
+    return pa.concat_arrays(keys), x
 
 
 def assign_unit(sw: SemanticWork, unit: int, shards: list[int], centroids: np.ndarray

@@ -49,6 +49,7 @@ from pairforge.filters.semantic_parts import (
     count_unit,
     decide,
     pair_group,
+    read_sample,
     route_labels,
     sample_unit,
 )
@@ -171,19 +172,24 @@ def _units(shard_ids: list[int], shard_size: int, cpus: int) -> list[list[int]]:
     return [shard_ids[i:i + per_unit] for i in range(0, len(shard_ids), per_unit)]
 
 
-def _train(waves: Waves, reader: EmbeddedRows, units: list[list[int]], rows: int,
+def _train(waves: Waves, reader: EmbeddedRows, work: Work, units: list[list[int]], rows: int,
            cfg: SemanticDedupConfig) -> tuple[np.ndarray, list[str]]:
     """k-means centroids trained on the hashed sample, and the sample's keys in order."""
     clusters = default_clusters(rows, cfg.rows_per_cluster, cfg.max_clusters)
     size = sample_size(rows, clusters, cfg.sample_rows)
-    found = waves.run(sample_unit, [(reader, u, rows, size, cfg.seed) for u in units],
-                      READ_CPUS)
-    keys = pa.concat_arrays([k for k, _ in found])
-    x = np.concatenate([v for _, v in found if len(v)])
-    del found
-    order = pc.sort_indices(keys).to_numpy()  # key order: as one process would see them
-    return kmeans(x[order], clusters, cfg.iterations, cfg.seed), keys.take(
-        pa.array(order)).to_pylist()
+    sampled = sum(waves.run(sample_unit, [(reader, u, rows, size, cfg.seed, work, i)
+                                          for i, u in enumerate(units)], READ_CPUS))
+    keys, x = read_sample(work, len(units), sampled)
+    # key order, as one process given the rows in any order sees them; shards are read in
+    # order and keys follow it, so this is seldom a copy
+    if not _ascending(keys):
+        order = pc.sort_indices(keys)
+        keys, x = keys.take(order), x[order.to_numpy()]
+    return kmeans(x, clusters, cfg.iterations, cfg.seed), keys.to_pylist()
+
+
+def _ascending(keys: pa.Array) -> bool:
+    return len(keys) < 2 or pc.all(pc.less(keys[:-1], keys[1:])).as_py()
 
 
 def _decide(waves: Waves, sw: SemanticWork, units: list[list[int]], centroids: np.ndarray,
@@ -249,13 +255,13 @@ def run_semantic_dedup(cfg: PairforgeConfig, out: OutputDir, steps: list[type[St
             pq.write_table(SEMANTIC_SCHEMA.empty_table(), f)
         stats = {"embeddings": rows, Status.DUPLICATE_SEMANTIC.value: 0}
     else:
-        centroids, sample_keys = _train(waves, reader, units, rows, semantic)
+        work = Work(work_url, cfg.output.storage_options, partition_count(rows, cpus), 0)
+        centroids, sample_keys = _train(waves, reader, work, units, rows, semantic)
         trained = time.perf_counter()
         dim = centroids.shape[1]
         tasks, buckets = _pair_tasks(rows, dim, semantic.probes, len(centroids), cpus)
-        sw = SemanticWork(Work(work_url, cfg.output.storage_options,
-                               partition_count(rows, cpus), 0),
-                          reader, dim, semantic.threshold, semantic.probes, buckets, tasks)
+        sw = SemanticWork(work, reader, dim, semantic.threshold, semantic.probes, buckets,
+                          tasks)
         decided = _decide(waves, sw, units, centroids, sample_keys,
                           out.uri(DEDUP_FOLDER, SEMANTIC_FILE))
         _remove(out)
