@@ -211,7 +211,7 @@ SEMANTIC_LARGEST = 2 * 10**6  # x 512 floats: 4 GiB of embeddings on disk
 def measure_semantic(rows: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     from scale_semantic import measure_semantic as semantic  # bench/scale_semantic.py
 
-    return semantic(min(rows, SEMANTIC_LARGEST), work)
+    return semantic(min(rows, SEMANTIC_LARGEST), work, args.check and rows <= 10**6)
 
 
 STAGES: dict[str, Callable[[int, Path, argparse.Namespace], dict[str, Any]]] = {
@@ -240,7 +240,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10**5, 10**6, 10**7])
     parser.add_argument("--quick", action="store_true", help="stop at 10^6 rows")
     parser.add_argument("--check", action="store_true",
-                        help="dedup: compare with the single-process decision (<= 10^6)")
+                        help="dedup, semantic: compare with the single-process decision "
+                        "(<= 10^6 rows)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--work", type=Path, help="folder for the generated files")
     parser.add_argument("--seed", type=int, default=0)

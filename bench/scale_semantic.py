@@ -8,6 +8,8 @@ to each other, random pairs ~0), and 1 % of each shard are planted near copies o
 row of the shard (cosine ~0.99). Default settings: 1,000 rows a cluster, 2 probes,
 k-means on at most 131,072 sampled rows. The driver is a fresh process
 (``python bench/scale_semantic.py --child OUT``) that reports its own peak RSS (VmHWM).
+With ``check``, another (``--oracle OUT CLUSTERS``) runs the one-process decision on all
+the rows and compares the output and the counts.
 """
 
 from __future__ import annotations
@@ -85,21 +87,55 @@ def _child(out: str) -> None:
     print(json.dumps({"seconds": seconds, "driver_peak_rss_mib": peak, "stats": stats}))
 
 
-def measure_semantic(rows: int, work: Path) -> dict[str, Any]:
+def _oracle(out: str, clusters: str) -> None:
+    """The one-process decision (semantic.semantic_duplicates) on the same rows: is the
+    pass's output the same?"""
+    from pairforge.filters.semantic import semantic_duplicates
+
+    folder = Path(out)
+    keys, vectors, area = [], [], []
+    for path in sorted((folder / "embeddings").glob("*.npy")):
+        keys += json.loads(path.with_name(path.stem + "_keys.json").read_text())
+        vectors.append(np.load(path))
+        raw = pq.read_table(folder / "raw" / f"{path.stem}.parquet",
+                            columns=["original_width", "original_height"])
+        area.append(raw["original_width"].to_numpy().astype(np.int64)
+                    * raw["original_height"].to_numpy())  # raw rows in embeddings' order
+    started = time.perf_counter()
+    result = semantic_duplicates(pa.array(keys), np.concatenate(vectors),
+                                 np.concatenate(area), 0.95, int(clusters), probes=2)
+    seconds = time.perf_counter() - started
+    same = pq.read_table(folder / "dedup" / "semantic.parquet").equals(result.duplicates)
+    print(json.dumps({"same_rows": same, "seconds": seconds, "stats": result.stats}))
+
+
+def _run(*args: str) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                          env=env)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-4000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_semantic(rows: int, work: Path, check: bool = False) -> dict[str, Any]:
     out = work / f"semantic-{rows}"
     started = time.perf_counter()
     planted = write_shards(out, rows)
     print(f"  semantic {rows:,}: wrote {rows:,} x {DIM} embeddings in "
           f"{time.perf_counter() - started:.0f} s", flush=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, __file__, "--child", str(out)],
-                          capture_output=True, text=True, env=env)
-    if done.returncode:
-        raise RuntimeError(done.stderr[-4000:])
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = _run("--child", str(out))
     stats = found.pop("stats")
+    checked = {}
+    if check:
+        oracle = _run("--oracle", str(out), str(stats["clusters"]))
+        same = oracle["same_rows"] and all(
+            oracle["stats"][k] == stats[k] for k in ("pairs", "largest_cluster",
+                                                     "duplicate_semantic"))
+        checked = {"identical_to_single_process": same,
+                   "single_process_seconds": oracle["seconds"]}
     subprocess.run(["rm", "-rf", str(out)], check=True)
-    return {**found, "planted_copies": planted,
+    return {**found, **checked, "planted_copies": planted,
             **{k: stats[k] for k in ("duplicate_semantic", "pairs", "clusters",
                                      "largest_cluster", "sample_rows", "units",
                                      "partitions")},
@@ -108,3 +144,5 @@ def measure_semantic(rows: int, work: Path) -> dict[str, Any]:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
     _child(sys.argv[2])
+elif __name__ == "__main__" and sys.argv[1:2] == ["--oracle"]:
+    _oracle(*sys.argv[2:4])
