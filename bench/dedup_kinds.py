@@ -292,7 +292,7 @@ def _write_scored_shards(root: Path, x: np.ndarray, keys: list[str], shard_size:
 
 def semantic_ray_part(n: int, seed: int, probes: int) -> None:
     """The stage's own pass (pipeline/semantic_stage.py) on a local 2-CPU Ray: shard
-    files read by tasks, k-means on the driver, the pair search as Ray tasks."""
+    files read by tasks, k-means on the driver on a sample, the rest as Ray tasks."""
     import shutil
     import tempfile
 

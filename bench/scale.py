@@ -1,7 +1,7 @@
 """Internet scale (issue 34): the driver's peak RSS and the wall time of each stage as the
 number of rows grows, and the growth exponent of the time.
 
-    python bench/scale.py [--stages plan dedup] [--sizes 100000 1000000 10000000] [--quick]
+    python bench/scale.py [--stages plan dedup semantic] [--sizes 100000 1000000 10000000] [--quick]
                           [--check] [--json FILE] [--work DIR]
 
 Each stage is a function ``measure_<stage>(rows, work, args) -> {"driver_peak_rss_mib":
@@ -20,6 +20,9 @@ and 1 % planted duplicates of every kind (exact copies, near copies with up to 3
 flipped in every hash, mirrors, crops, and chains of three). ``--check`` also runs the
 single-process decision (``filters/dedup.find_duplicates``) on the same files and
 compares the duplicates and the stats (sizes up to 10^6).
+
+``semantic``: stage 3's semantic dedup pass over synthetic 512-d embeddings, up to
+2·10^6 rows (a larger size is measured at 2·10^6); bench/scale_semantic.py says how.
 
 ``--quick`` stops at 10^6 rows. ``--json FILE`` writes
 ``{"<stage>": {"<rows>": {"driver_peak_rss_mib": …, "seconds": …}}}``.
@@ -202,10 +205,27 @@ def measure_plan(rows: int, work: Path, args: argparse.Namespace) -> dict[str, A
     return plan(rows, work)
 
 
+SEMANTIC_LARGEST = 2 * 10**6  # x 512 floats: 4 GiB of embeddings on disk
+
+
+def measure_semantic(rows: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from scale_semantic import measure_semantic as semantic  # bench/scale_semantic.py
+
+    return semantic(min(rows, SEMANTIC_LARGEST), work, args.check and rows <= 10**6)
+
+
 STAGES: dict[str, Callable[[int, Path, argparse.Namespace], dict[str, Any]]] = {
     "plan": measure_plan,
     "dedup": measure_dedup,
+    "semantic": measure_semantic,
 }
+
+
+def _stage_sizes(stage: str, sizes: list[int]) -> list[int]:
+    """The semantic pass stops at SEMANTIC_LARGEST (a larger size is measured there)."""
+    if stage != "semantic":
+        return sizes
+    return sorted({min(s, SEMANTIC_LARGEST) for s in sizes})
 
 
 def growth(sizes: list[int], seconds: list[float]) -> list[float]:
@@ -220,7 +240,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10**5, 10**6, 10**7])
     parser.add_argument("--quick", action="store_true", help="stop at 10^6 rows")
     parser.add_argument("--check", action="store_true",
-                        help="dedup: compare with the single-process decision (<= 10^6)")
+                        help="dedup, semantic: compare with the single-process decision "
+                        "(<= 10^6 rows)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--work", type=Path, help="folder for the generated files")
     parser.add_argument("--seed", type=int, default=0)
@@ -231,7 +252,7 @@ def main() -> None:
     try:
         for stage in args.stages:
             results[stage] = {}
-            for rows in sizes:
+            for rows in _stage_sizes(stage, sizes):
                 results[stage][str(rows)] = STAGES[stage](rows, work, args)
                 print(f"{stage} {rows:,}: {json.dumps(results[stage][str(rows)])}",
                       flush=True)

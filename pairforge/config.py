@@ -120,6 +120,13 @@ class SemanticDedupConfig(Strict):
     probes: int = Field(2, ge=1, le=8, description="each row is searched in its nearest "
                         "clusters, this many (1: SemDeDup's; 2 finds pairs split by a "
                         "cluster boundary for ~4x the pair search)")
+    max_clusters: int = Field(50_000, gt=0, description="at most this many k-means "
+                              "clusters (SemDeDup used 50,000 for LAION-440M): the "
+                              "centroids stay bounded, clusters grow beyond "
+                              "rows_per_cluster x this rows")
+    sample_rows: int = Field(131_072, ge=1_000, description="k-means is trained on at most "
+                             "this many rows (256 per cluster otherwise), chosen by a hash of "
+                             "the key: the driver holds them (256 MiB at the default x 512 floats)")
     iterations: int = Field(10, gt=0, description="k-means iterations")
     seed: int = 0
 

@@ -483,7 +483,7 @@ def label_members(work: Work, part: int, labels: str, scatter_units: int) -> int
     return len(members)
 
 
-def _key_range(keys: pa.ChunkedArray, boundaries: list[str]) -> np.ndarray:
+def key_range_of(keys: pa.ChunkedArray, boundaries: list[str]) -> np.ndarray:
     if not boundaries:
         return np.zeros(len(keys), np.int64)
     found = np.searchsorted(np.array(boundaries, dtype=object),
@@ -506,7 +506,7 @@ def decide(work: Work, part: int, boundaries: list[str]) -> dict[str, int]:
                              table["exact_loser"].to_numpy(zero_copy_only=False),
                              points, valid, labels, work.max_distance)
     write_parts(fs, work.file("duplicates", part), found,
-                _key_range(found["key"], boundaries))
+                key_range_of(found["key"], boundaries))
     gone = table["pos"].to_numpy()[dropped]
     write_parts(fs, work.file("dropped", part), pa.table({"pos": gone}, schema=POS_SCHEMA),
                 _by_pos(gone, work.parts))
@@ -516,26 +516,26 @@ def decide(work: Work, part: int, boundaries: list[str]) -> dict[str, int]:
             **{kind.value: kinds.get(kind.value, 0) for kind in HASH_KINDS}}
 
 
-def sort_range(work: Work, key_range: int) -> int:
+def sort_range(work: Work, key_range: int, schema: pa.Schema = DUPLICATES_SCHEMA) -> int:
     """Phase 8a: one key range of the duplicates, sorted."""
     fs = work.fs()
-    found = read_part(fs, work.files("duplicates", work.parts), key_range,
-                      DUPLICATES_SCHEMA)
+    found = read_part(fs, work.files("duplicates", work.parts), key_range, schema)
     found = found.take(pc.sort_indices(found, sort_keys=[("key", "ascending")]))
     write_table(fs, work.file("sorted", key_range), found)
     return len(found)
 
 
-def concat_sorted(work: Work, ranges: int, out_url: str) -> None:
+def concat_sorted(work: Work, ranges: int, out_url: str,
+                  schema: pa.Schema = DUPLICATES_SCHEMA) -> None:
     """Phase 8b: the sorted key ranges, in order, as one parquet file (a row group or more
     per range: one range in memory at a time)."""
     fs = work.fs()
     out_fs, out_path = fsspec.core.url_to_fs(out_url, **work.storage_options)
     out_fs.makedirs(posixpath.dirname(out_path), exist_ok=True)
     with atomic_writer(out_fs, out_path) as handle, \
-            pq.ParquetWriter(handle, DUPLICATES_SCHEMA) as writer:
+            pq.ParquetWriter(handle, schema) as writer:
         for key_range in range(ranges):
-            found = read_tables(fs, [work.file("sorted", key_range)], DUPLICATES_SCHEMA)
+            found = read_tables(fs, [work.file("sorted", key_range)], schema)
             if len(found):
                 writer.write_table(found)
 

@@ -4,8 +4,9 @@ Hashes see pixels; two photos of the same thing from another angle, or a copy wi
 caption burned in, hash far apart but embed close together. The decision:
 
 1. every embedding is normalised to unit length (cosine similarity is then a dot product);
-2. spherical k-means (:func:`kmeans`) splits them into clusters, trained on a sample and
-   assigned in chunks, so memory stays at the embeddings plus one chunk of similarities;
+2. spherical k-means (:func:`kmeans`) splits them into clusters, trained on a bounded
+   sample (:func:`sample_mask`: a hash of the key, so any task can tell its own rows'
+   membership) and assigned in chunks;
 3. inside each cluster, every pair at cosine ``>= threshold`` is found by chunked matrix
    products (:func:`cluster_pairs`: exact within the cluster, no approximation);
 4. clusters are the connected components of those pairs, and the survivor of each is the
@@ -17,14 +18,16 @@ Unlike SemDeDup, which drops a row when any better-ranked row is similar even if
 row is dropped in turn, every dropped row here names a survivor that is kept, so the
 contact sheet can show the two side by side. Pairs that k-means puts in different
 clusters are not compared: that is the approximation, measured against all pairs in the
-tests and the bench. Everything is numpy (BLAS matrix products), so a cluster group is one
-unit of work for a Ray task (``pipeline/semantic_stage.py``).
+tests and the bench. Everything is numpy (BLAS matrix products). :func:`semantic_duplicates`
+decides in one process; the stage runs the same decision as partitioned Ray tasks
+(``filters/semantic_parts.py``, ``pipeline/semantic_stage.py``), and that function is its
+test oracle.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +38,7 @@ from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
 from pairforge.filters.dedup import survivor_order
+from pairforge.filters.shuffle import mix64, string_hash
 from pairforge.records import Status
 
 SEMANTIC_SCHEMA = pa.schema([
@@ -59,40 +63,61 @@ def normalise(embeddings: np.ndarray) -> np.ndarray:
     return x / np.maximum(norms, np.float32(1e-12))
 
 
-def default_clusters(n: int, rows_per_cluster: int) -> int:
-    """About ``rows_per_cluster`` rows per cluster, at least one cluster."""
-    return max(1, min(n, round(n / rows_per_cluster)))
+def default_clusters(n: int, rows_per_cluster: int, max_clusters: int | None = None) -> int:
+    """About ``rows_per_cluster`` rows per cluster, at least one, at most ``max_clusters``."""
+    clusters = max(1, min(n, round(n / rows_per_cluster)))
+    return clusters if max_clusters is None else min(clusters, max_clusters)
+
+
+def sample_size(n: int, clusters: int, max_rows: int, per_cluster: int = 256) -> int:
+    """Rows k-means trains on: ``per_cluster`` a cluster (faiss's default), at most
+    ``max_rows``, so the process that trains it holds a bounded sample."""
+    return min(n, per_cluster * clusters, max_rows)
+
+
+def sample_mask(keys: pa.Array | pa.ChunkedArray, n: int, size: int, seed: int
+                ) -> np.ndarray:
+    """Which of ``keys`` are in the k-means sample of about ``size`` of ``n`` rows.
+
+    A row is in when a seeded hash of its key falls below size/n of the hash range, so
+    any task decides for its own rows, in any order, and all agree with one process."""
+    if size >= n:
+        return np.ones(len(keys), dtype=bool)
+    cut = np.uint64(min(2**64 - 1, int(size / n * 2.0**64)))
+    return mix64(string_hash(keys) ^ np.uint64(seed % 2**64)) < cut
+
+
+def _assign_block(clusters: int) -> int:
+    """Rows per block of an assignment: a block's similarities stay near 64 MiB."""
+    return max(256, min(_BLOCK, 2**24 // max(1, clusters)))
 
 
 def assign(x: np.ndarray, centroids: np.ndarray, probes: int = 1) -> np.ndarray:
     """Index of the most similar centroid for each (unit) row, in blocks; with ``probes``
     > 1, the ``probes`` most similar ones, as an (n, probes) array."""
+    block = _assign_block(len(centroids))
     if probes > 1:
         probes = min(probes, len(centroids))
         labels = np.empty((len(x), probes), dtype=np.int64)
-        for start in range(0, len(x), _BLOCK):
-            sims = x[start:start + _BLOCK] @ centroids.T
-            labels[start:start + _BLOCK] = np.argpartition(-sims, probes - 1, axis=1
-                                                           )[:, :probes]
+        for start in range(0, len(x), block):
+            sims = x[start:start + block] @ centroids.T
+            labels[start:start + block] = np.argpartition(-sims, probes - 1, axis=1
+                                                          )[:, :probes]
         return labels
     labels = np.empty(len(x), dtype=np.int64)
-    for start in range(0, len(x), _BLOCK):
-        labels[start:start + _BLOCK] = np.argmax(x[start:start + _BLOCK] @ centroids.T, axis=1)
+    for start in range(0, len(x), block):
+        labels[start:start + block] = np.argmax(x[start:start + block] @ centroids.T, axis=1)
     return labels
 
 
-def kmeans(x: np.ndarray, k: int, iterations: int = 10, seed: int = 0,
-           sample_per_cluster: int = 256) -> np.ndarray:
-    """Spherical k-means centroids (unit rows) of unit rows ``x``.
+def kmeans(sample: np.ndarray, k: int, iterations: int = 10, seed: int = 0) -> np.ndarray:
+    """Spherical k-means centroids (unit rows) trained on the unit rows ``sample``.
 
-    Trained on at most ``sample_per_cluster * k`` rows (faiss's default is 256), started from
-    k distinct sample rows; an emptied cluster is restarted at the sample row worst served
-    by its centroid. Deterministic for a given seed.
+    Started from k distinct sample rows; an emptied cluster is restarted at the sample row
+    worst served by its centroid. Deterministic for a given seed and sample order.
     """
     rng = np.random.default_rng(seed)
-    k = max(1, min(k, len(x)))
-    size = min(len(x), sample_per_cluster * k)
-    sample = x[np.sort(rng.choice(len(x), size, replace=False))] if size < len(x) else x
+    k = max(1, min(k, len(sample)))
     centroids = sample[rng.choice(len(sample), k, replace=False)].copy()
     for _ in range(iterations):
         labels = assign(sample, centroids)
@@ -103,10 +128,18 @@ def kmeans(x: np.ndarray, k: int, iterations: int = 10, seed: int = 0,
         counts = np.bincount(labels, minlength=k)
         empty = np.flatnonzero(counts == 0)
         if len(empty):
-            fit = np.einsum("ij,ij->i", sample, centroids[labels])
-            sums[empty] = sample[np.argsort(fit)[:len(empty)]]
+            sums[empty] = sample[np.argsort(_fit(sample, centroids, labels))[:len(empty)]]
         centroids = normalise(sums)
     return centroids
+
+
+def _fit(x: np.ndarray, centroids: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Each row's similarity to its centroid, in blocks (no copy of the rows' size)."""
+    fit = np.empty(len(x), np.float32)
+    for start in range(0, len(x), _BLOCK):
+        end = start + _BLOCK
+        fit[start:end] = np.einsum("ij,ij->i", x[start:end], centroids[labels[start:end]])
+    return fit
 
 
 def cluster_pairs(x: np.ndarray, members: np.ndarray, threshold: float
@@ -155,30 +188,6 @@ def _members(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(np.arange(len(labels)), labels.shape[1]), labels.reshape(-1)
 
 
-def balanced_groups(labels: np.ndarray, groups: int) -> list[list[int]]:
-    """Clusters split into ``groups`` lists of about equal work (pairs ~ size squared),
-    largest first, so one Ray task does not get all the big clusters."""
-    sizes = np.bincount(labels.reshape(-1))
-    load = np.zeros(groups)
-    out: list[list[int]] = [[] for _ in range(groups)]
-    for cluster in np.argsort(-sizes.astype(np.int64) ** 2, kind="stable"):
-        if sizes[cluster] < 2:
-            continue
-        target = int(np.argmin(load))
-        out[target].append(int(cluster))
-        load[target] += float(sizes[cluster]) ** 2
-    return [g for g in out if g]
-
-
-PairsMapper = Callable[[np.ndarray, np.ndarray, list[list[int]], float],
-                       list[tuple[np.ndarray, np.ndarray]]]
-
-
-def local_pairs(x: np.ndarray, labels: np.ndarray, groups: list[list[int]], threshold: float
-                ) -> list[tuple[np.ndarray, np.ndarray]]:
-    return [group_pairs(x, labels, g, threshold) for g in groups]
-
-
 @dataclass
 class SemanticResult:
     duplicates: pa.Table  # SEMANTIC_SCHEMA, sorted by key
@@ -187,32 +196,28 @@ class SemanticResult:
 
 def semantic_duplicates(keys: pa.Array, embeddings: np.ndarray, area: np.ndarray,
                         threshold: float, clusters: int, iterations: int = 10,
-                        seed: int = 0, mapper: PairsMapper | None = None,
-                        groups: int = 1, probes: int = 1) -> SemanticResult:
-    """The rows to drop as ``duplicate_semantic``: see the module docstring.
+                        seed: int = 0, probes: int = 1,
+                        sample_rows: int = 131_072) -> SemanticResult:
+    """The rows to drop as ``duplicate_semantic``, in one process: see the module docstring.
 
-    ``area`` (original width x height) and ``keys`` decide survivors; ``mapper`` runs the
-    cluster groups (locally by default; the stage passes a Ray one). ``probes`` > 1
+    ``area`` (original width x height) and ``keys`` decide survivors. ``probes`` > 1
     searches each row in its nearest ``probes`` clusters: pairs split by a cluster
-    boundary are found too, for about probes^2 times the pair-search work.
+    boundary are found too, for about probes^2 times the pair-search work. The stage runs
+    the same decision as Ray tasks (``filters/semantic_parts.py``); this is its oracle.
     """
     if isinstance(keys, pa.ChunkedArray):
         keys = keys.combine_chunks()
     keys = keys if isinstance(keys, pa.Array) else pa.array(keys, pa.string())
-    # k-means samples rows by position: in key order, the clusters (and so the pairs found)
-    # do not depend on the order the shards were read in
+    # the sample is kept in key order: the centroids do not depend on the reading order
     order = pc.sort_indices(keys).to_numpy()
     keys, area = keys.take(pa.array(order)), np.asarray(area)[order]
     x = normalise(np.asarray(embeddings)[order])
     started = time.perf_counter()
-    centroids = kmeans(x, clusters, iterations, seed)
+    size = sample_size(len(x), clusters, sample_rows)
+    centroids = kmeans(x[sample_mask(keys, len(x), size, seed)], clusters, iterations, seed)
     labels = assign(x, centroids, probes)
     clustered = time.perf_counter()
-    work = balanced_groups(labels, groups)
-    parts = (mapper or local_pairs)(x, labels, work, threshold)
-    pairs = np.concatenate([_NO_PAIRS, *(p for p, _ in parts)])
-    if probes > 1 and len(pairs):  # two groups may share a pair through two clusters
-        pairs = np.unique(pairs, axis=0)
+    pairs, _ = group_pairs(x, labels, list(range(len(centroids))), threshold)
     searched = time.perf_counter()
     table = duplicates_from_pairs(keys, x, area, pairs)
     sizes = np.bincount(labels.reshape(-1), minlength=len(centroids))

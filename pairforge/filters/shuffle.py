@@ -92,18 +92,21 @@ def write_parts(fs: fsspec.AbstractFileSystem, path: str, table: pa.Table,
             writer.write_table(chunk, row_group_size=max(1, len(chunk)))
 
 
-def read_part(fs: fsspec.AbstractFileSystem, paths: list[str], part: int,
+def read_part(fs: fsspec.AbstractFileSystem, paths: list[str], part: int | list[int],
               schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
-    """The rows of partition ``part`` in every file of ``paths`` (in that order)."""
+    """The rows of partition ``part`` (or of each of several) in every file of ``paths``,
+    file by file in that order."""
+    wanted = [part] if isinstance(part, int) else part
     tables = [schema.empty_table() if columns is None
               else schema.empty_table().select(columns)]
     for path in paths:
         with fs.open(path, "rb") as handle:
             parquet = pq.ParquetFile(handle)
             present = json.loads(parquet.schema_arrow.metadata[PARTS_KEY])
-            if part in present:
-                group = parquet.read_row_group(present.index(part), columns=columns)
-                tables.append(group.replace_schema_metadata(None))
+            groups = [present.index(p) for p in wanted if p in present]
+            if groups:
+                found = parquet.read_row_groups(groups, columns=columns)
+                tables.append(found.replace_schema_metadata(None))
     return pa.concat_tables(tables).combine_chunks()
 
 

@@ -36,6 +36,7 @@ from pairforge.filters.dedup import DUPLICATES_SCHEMA, HASH_BITS, HASH_KINDS, pl
 from pairforge.filters.dedup_parts import InputFile, Work
 from pairforge.pipeline.entry import RunOptions
 from pairforge.pipeline.ray_runtime import init_ray
+from pairforge.pipeline.waves import READ_CPUS, Waves, cluster_cpus, components
 from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir, atomic_writer
 
 DUPLICATES_FILE = "duplicates.parquet"
@@ -51,10 +52,6 @@ ROWS_PER_SCATTER = 1_000_000  # rows a reading task takes from consecutive input
 VALUES_PER_BAND_TASK = 4_000_000
 INDEX_ROWS_PER_PART = 1_000_000
 
-# Reading is mostly I/O; every other task is numpy on one core. No task waits on another,
-# so these cannot deadlock even a 1-CPU Ray instance.
-_READ_CPUS = 0.5
-_TASK_CPUS = 1
 
 
 def _expand(fs: fsspec.AbstractFileSystem, pattern: str) -> list[str]:
@@ -90,35 +87,6 @@ def _index_files(patterns: list[str], storage_options: dict[str, Any]) -> list[s
     return files
 
 
-class _Tasks:
-    """Waves of Ray tasks; only their small results come back to the driver."""
-
-    def __init__(self, retries: int):
-        self.retries = retries
-        self.remotes: dict[str, Any] = {}
-        self.seconds: Counter[str] = Counter()  # per phase, for the stats
-
-    def run(self, fn: Callable[..., Any], calls: list[tuple], cpus: float = _TASK_CPUS,
-            name: str | None = None) -> list[Any]:
-        import ray
-
-        name = name or fn.__name__
-        if name not in self.remotes:
-            self.remotes[name] = ray.remote(num_cpus=cpus, max_retries=self.retries)(
-                fn).options(name=name)
-        remote = self.remotes[name]
-        started = time.perf_counter()
-        results = ray.get([remote.remote(*args) for args in calls])
-        self.seconds[name] += time.perf_counter() - started
-        return results
-
-
-def _cluster_cpus() -> int:
-    import ray
-
-    return max(1, int(ray.cluster_resources().get("CPU", 1)))
-
-
 def partition_count(rows: int, cpus: int) -> int:
     """Partitions for ``rows`` rows: ROWS_PER_PART each, or two per CPU while every
     partition keeps a tenth of that."""
@@ -139,10 +107,10 @@ def _units(inputs: list[InputFile], counts: list[int]) -> list[list[InputFile]]:
     return units
 
 
-def _count_rows(tasks: _Tasks, urls: list[str], opts: dict[str, Any]) -> list[int]:
+def _count_rows(tasks: Waves, urls: list[str], opts: dict[str, Any]) -> list[int]:
     batch = 256
     calls = [(urls[i:i + batch], opts) for i in range(0, len(urls), batch)]
-    return [n for counts in tasks.run(parts.count_rows, calls, _READ_CPUS) for n in counts]
+    return [n for counts in tasks.run(parts.count_rows, calls, READ_CPUS) for n in counts]
 
 
 def _write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
@@ -194,11 +162,11 @@ def inputs_digest(files: list[str], indexes: list[str], cfg: DedupConfig,
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _read_phase(tasks: _Tasks, work: Work, units: list[list[InputFile]]
+def _read_phase(tasks: Waves, work: Work, units: list[list[InputFile]]
                 ) -> dict[str, Any]:
     """Phase 1: every input read once, by its unit's task; the counts added up."""
     found = tasks.run(parts.scatter, [(work, i, unit) for i, unit in enumerate(units)],
-                      _READ_CPUS, name="read_hash_columns")
+                      READ_CPUS, name="read_hash_columns")
     status: Counter[str] = Counter()
     totals: Counter[str] = Counter()
     samples: list[str] = []
@@ -209,7 +177,7 @@ def _read_phase(tasks: _Tasks, work: Work, units: list[list[InputFile]]
     return {"status": status, "samples": sorted(samples), **totals}
 
 
-def _key_boundaries(samples: list[str], ranges: int) -> list[str]:
+def key_boundaries(samples: list[str], ranges: int) -> list[str]:
     """Keys that cut the sampled keys into ``ranges`` ranges of about equal size."""
     if ranges <= 1 or not samples:
         return []
@@ -217,7 +185,7 @@ def _key_boundaries(samples: list[str], ranges: int) -> list[str]:
     return sorted(picks)
 
 
-def _near_join(tasks: _Tasks, work: Work, n_values: int) -> tuple[int, str]:
+def _near_join(tasks: Waves, work: Work, n_values: int) -> tuple[int, str]:
     """Phase 4: the band join (or all pairs, for few values); returns its producers."""
     plan = plan_bands(n_values, HASH_BITS, work.max_distance)
     if plan is None:
@@ -231,24 +199,7 @@ def _near_join(tasks: _Tasks, work: Work, n_values: int) -> tuple[int, str]:
     return len(leads) * band_parts, plan.describe()
 
 
-def _components(tasks: _Tasks, work: Work, near: bool) -> str:
-    """Phase 6: large-star and small-star steps until every component is one star;
-    returns the folder of the labels."""
-    sources = [("edges-exact", work.parts), ("edges-values", work.parts)]
-    if near:
-        sources.append(("edges-near", work.parts))
-    step = 0
-    while True:
-        results = tasks.run(parts.large_star_step,
-                            [(work, sources, p, step) for p in range(work.parts)])
-        if sum(r.not_star for r in results) == 0:
-            return f"labels-{step}"
-        tasks.run(parts.small_star_step, [(work, p, step) for p in range(work.parts)])
-        sources = [(f"large-{step}", work.parts)]
-        step += 1
-
-
-def _decide(tasks: _Tasks, work: Work, units: int, samples: list[str], out_url: str
+def _decide(tasks: Waves, work: Work, units: int, samples: list[str], out_url: str
             ) -> dict[str, int]:
     """Phases 2-8: links, components, decisions; writes duplicates.parquet."""
     P = work.parts  # noqa: N806 - the partition count, as in the docs
@@ -266,9 +217,12 @@ def _decide(tasks: _Tasks, work: Work, units: int, samples: list[str], out_url: 
     if pair_producers:
         near_pairs = sum(tasks.run(parts.near_links,
                                    [(work, p, pair_producers) for p in range(P)]))
-    labels = _components(tasks, work, bool(pair_producers))
+    sources = [("edges-exact", P), ("edges-values", P)]
+    if pair_producers:
+        sources.append(("edges-near", P))
+    labels, _ = components(tasks, work, sources)
     tasks.run(parts.label_members, [(work, p, labels, units) for p in range(P)])
-    boundaries = _key_boundaries(samples, P)
+    boundaries = key_boundaries(samples, P)
     decided = tasks.run(parts.decide, [(work, p, boundaries) for p in range(P)])
     ranges = len(boundaries) + 1
     tasks.run(parts.sort_range, [(work, r) for r in range(ranges)])
@@ -282,7 +236,7 @@ def _decide(tasks: _Tasks, work: Work, units: int, samples: list[str], out_url: 
             "near_pairs": near_pairs, "band_plan": band_plan}
 
 
-def _write_index(tasks: _Tasks, work: Work, units: int, rows: int, source: str,
+def _write_index(tasks: Waves, work: Work, units: int, rows: int, source: str,
                  fs: fsspec.AbstractFileSystem, root: str) -> None:
     """Phase 9: the next index, written into the work folder, then put in place."""
     bits = parts.index_prefix_bits(rows, INDEX_ROWS_PER_PART)
@@ -356,13 +310,13 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
     say(f"dedup: reading the hashes of {len(files)} raw shards and {len(indexes)} index "
         "files; starting Ray…")
     init_ray(ray_cfg)
-    tasks = _Tasks(ray_cfg.max_task_retries)
+    tasks = Waves(ray_cfg.max_task_retries)
     inputs = [InputFile(i, url, i >= len(files)) for i, url in enumerate(files + indexes)]
     counts = _count_rows(tasks, files + indexes, opts)
     work_path = posixpath.join(root, WORK_FOLDER)
     _remove(fs, work_path)  # what an interrupted run left: this run redoes all of it
     work = Work(fs.unstrip_protocol(work_path), opts,
-                partition_count(sum(counts), _cluster_cpus()), cfg.max_distance)
+                partition_count(sum(counts), cluster_cpus()), cfg.max_distance)
     units = _units(inputs, counts)
     read = _read_phase(tasks, work, units)
     read_s = time.perf_counter() - started

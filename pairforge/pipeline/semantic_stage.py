@@ -7,12 +7,15 @@ the writing pass. It asks that step (pairforge/stage.py's ``ScoringStep``) for t
 its columns and the score it keeps rows at:
 
 1. the scoring pass runs over the shards that have no score file or no embeddings yet;
-2. one Ray task per shard reads its embeddings, keeps the rows the step would keep (score
-   at or above its cut, when it filters: a survivor dropped later for its score would
-   take its duplicates with it) and their original sizes (the survivor rule's input);
-3. k-means runs on the driver (BLAS), then the pair search runs as Ray tasks over
-   balanced groups of clusters, sharing one copy of the embeddings (``filters/semantic``);
-4. ``OUT/dedup/semantic.parquet`` (the duplicates table plus ``similarity``) is written, then
+2. the decision runs as waves of Ray tasks (``filters/semantic_parts.py``, over
+   ``OUT/dedup/semantic-work/``, removed when done): each unit of shards reads its
+   embeddings and keeps the rows the step would keep (score at or above its cut, when it
+   filters: a survivor dropped later for its score would take its duplicates with it);
+   k-means is trained on the driver on a sample of at most ``dedup.semantic.sample_rows``
+   rows chosen by a hash of the key; assignment, the pair search, the components (stage
+   2's ``filters/components.py``) and the survivors are tasks. The driver holds the
+   sample, the centroids and counts, never every row;
+3. ``OUT/dedup/semantic.parquet`` (the duplicates table plus ``similarity``) is written, then
    ``semantic_stats.json`` last, as the completion marker.
 
 The writing pass reads ``semantic.parquet`` with the hash duplicates (``pipeline/plan``):
@@ -25,7 +28,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,16 +38,26 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pairforge.config import ConfigError, PairforgeConfig
-from pairforge.filters.semantic import (
-    SEMANTIC_SCHEMA,
-    PairsMapper,
-    default_clusters,
-    semantic_duplicates,
+from pairforge.config import ConfigError, PairforgeConfig, SemanticDedupConfig
+from pairforge.filters.dedup_parts import Work, concat_sorted, sort_range
+from pairforge.filters.semantic import SEMANTIC_SCHEMA, default_clusters, kmeans, sample_size
+from pairforge.filters.semantic_parts import (
+    SemanticWork,
+    assign_unit,
+    attach,
+    balanced_groups,
+    count_unit,
+    decide,
+    pair_group,
+    read_sample,
+    route_labels,
+    sample_unit,
 )
+from pairforge.pipeline.dedup_stage import key_boundaries, partition_count
 from pairforge.pipeline.plan import plan_shards
 from pairforge.pipeline.settings import settings_digest, stage_settings
 from pairforge.pipeline.stream import read_raw, stream_shards
+from pairforge.pipeline.waves import READ_CPUS, Waves, cluster_cpus, components
 from pairforge.pipeline.write import write_scores_task
 from pairforge.records import Status
 from pairforge.shards.raw import completed_shards, shard_name
@@ -53,52 +68,54 @@ from pairforge.shards.storage import (
     SCORES_FOLDER,
     OutputDir,
 )
-from pairforge.shards.training import read_embeddings
 from pairforge.stage import ScoringStep, Step, scoring_step
 
 SEMANTIC_FILE = "semantic.parquet"
 SEMANTIC_STATS = "semantic_stats.json"
-_READ_CPUS = 0.5
-_PAIR_CPUS = 1
+WORK_FOLDER = "semantic-work"  # under OUT/dedup, removed when the pass is done
+
+ROWS_PER_UNIT = 50_000  # rows an assignment task reads (200 MB of 1,024-d vectors)
+GROUP_BYTES = 256 << 20  # memberships a pair-search task holds, about
+_NO_ROWS = pa.table({"key": pa.array([], pa.string()), "area": pa.array([], pa.int64())})
 
 
-def embedded_rows(out_url: str, storage_options: dict, shard_id: int, score: str,
-                  threshold: float | None) -> tuple[pa.Table, np.ndarray]:
-    """(key, area) of a shard's embedded rows that the scoring step keeps (its ``score``
-    column at or above ``threshold``), and their embeddings."""
-    out = OutputDir(out_url, storage_options)
-    name = shard_name(shard_id)
-    saved = read_embeddings(out, shard_id)
-    if saved is None:
-        return pa.table({"key": pa.array([], pa.string()), "area": pa.array([], pa.int64())}
-                        ), np.zeros((0, 0), np.float32)
-    keys, vectors = saved
-    with out.fs.open(out.path(SCORES_FOLDER, f"{name}.parquet"), "rb") as f:
-        scores = pq.read_table(f, columns=["key", "status", score]).to_pylist()
-    kept = {r["key"] for r in scores if r["status"] == Status.OK and (
-        threshold is None or (r[score] is not None and r[score] >= threshold))}
-    raw = read_raw(out, shard_id, ["key", "original_width", "original_height"]).to_pylist()
-    area = {r["key"]: (r["original_width"] or 0) * (r["original_height"] or 0) for r in raw}
-    rows = [i for i, k in enumerate(keys) if k in kept]
-    table = pa.table({"key": pa.array([keys[i] for i in rows], pa.string()),
-                      "area": pa.array([area.get(keys[i], 0) for i in rows], pa.int64())})
-    return table, vectors[rows].astype(np.float32)
+@dataclass(frozen=True)
+class EmbeddedRows:
+    """A shard's embedded rows that the scoring step keeps (its ``score`` column at or
+    above ``threshold``: a survivor dropped later for its score would take its copies
+    with it), as (key, area) and their embeddings, in the embeddings file's order.
+    Called inside the tasks (``filters/semantic_parts.RowsReader``)."""
 
+    out_url: str
+    storage_options: dict
+    score: str
+    threshold: float | None
 
-def ray_pairs_mapper(retries: int) -> PairsMapper:
-    """One Ray task per group of clusters over one shared copy of the embeddings."""
-
-    def run(x: np.ndarray, labels: np.ndarray, groups: list[list[int]], threshold: float
-            ) -> list[tuple[np.ndarray, np.ndarray]]:
-        import ray
-
-        from pairforge.filters.semantic import group_pairs
-
-        task = ray.remote(num_cpus=_PAIR_CPUS, max_retries=retries)(group_pairs)
-        shared_x, shared_labels = ray.put(x), ray.put(labels)
-        return ray.get([task.remote(shared_x, shared_labels, g, threshold) for g in groups])
-
-    return run
+    def __call__(self, shard_id: int, vectors: bool) -> tuple[pa.Table, np.ndarray | None]:
+        out = OutputDir(self.out_url, self.storage_options)
+        name = shard_name(shard_id)
+        if not out.exists(EMBEDDINGS_FOLDER, f"{name}.npy"):
+            return _NO_ROWS, np.zeros((0, 0), np.float32) if vectors else None
+        keys = pa.array(out.read_json(EMBEDDINGS_FOLDER, f"{name}_keys.json"), pa.string())
+        with out.fs.open(out.path(SCORES_FOLDER, f"{name}.parquet"), "rb") as f:
+            scores = pq.read_table(f, columns=["key", "status", self.score])
+        kept = pc.equal(scores["status"], Status.OK.value)
+        if self.threshold is not None:
+            kept = pc.and_(kept, pc.greater_equal(scores[self.score], self.threshold))
+        kept_keys = scores["key"].filter(pc.fill_null(kept, False))
+        rows = np.flatnonzero(pc.is_in(keys, value_set=kept_keys.combine_chunks()
+                                       ).to_numpy(zero_copy_only=False))
+        raw = read_raw(out, shard_id, ["key", "original_width", "original_height"])
+        area = pc.multiply(pc.fill_null(raw["original_width"], 0),
+                           pc.fill_null(raw["original_height"], 0)).cast(pa.int64())
+        at = pc.index_in(keys.take(pa.array(rows)), value_set=raw["key"].combine_chunks())
+        table = pa.table({"key": keys.take(pa.array(rows)),
+                          "area": pc.fill_null(area.combine_chunks().take(at), 0)},
+                         schema=_NO_ROWS.schema)
+        if not vectors:
+            return table, None
+        with out.fs.open(out.path(EMBEDDINGS_FOLDER, f"{name}.npy"), "rb") as f:
+            return table, np.load(f)[rows].astype(np.float32)
 
 
 def _embedding_step(steps: list[type[Step]]) -> type[ScoringStep]:
@@ -147,6 +164,69 @@ def _embed_missing(cfg: PairforgeConfig, out: OutputDir, steps: list[type[Step]]
                   steps[:steps.index(scorer) + 1], write_scores_task, {}, None)
 
 
+def _units(shard_ids: list[int], shard_size: int, cpus: int) -> list[list[int]]:
+    """Consecutive shards grouped into units of about ROWS_PER_UNIT rows, two or more per
+    CPU while there are shards enough."""
+    per_unit = max(1, min(ROWS_PER_UNIT // max(1, shard_size),
+                          math.ceil(len(shard_ids) / (2 * cpus))))
+    return [shard_ids[i:i + per_unit] for i in range(0, len(shard_ids), per_unit)]
+
+
+def _train(waves: Waves, reader: EmbeddedRows, work: Work, units: list[list[int]], rows: int,
+           cfg: SemanticDedupConfig) -> tuple[np.ndarray, list[str]]:
+    """k-means centroids trained on the hashed sample, and the sample's keys in order."""
+    clusters = default_clusters(rows, cfg.rows_per_cluster, cfg.max_clusters)
+    size = sample_size(rows, clusters, cfg.sample_rows)
+    sampled = sum(waves.run(sample_unit, [(reader, u, rows, size, cfg.seed, work, i)
+                                          for i, u in enumerate(units)], READ_CPUS))
+    keys, x = read_sample(work, len(units), sampled)
+    # key order, as one process given the rows in any order sees them; shards are read in
+    # order and keys follow it, so this is seldom a copy
+    if not _ascending(keys):
+        order = pc.sort_indices(keys)
+        keys, x = keys.take(order), x[order.to_numpy()]
+    return kmeans(x, clusters, cfg.iterations, cfg.seed), keys.to_pylist()
+
+
+def _ascending(keys: pa.Array) -> bool:
+    return len(keys) < 2 or pc.all(pc.less(keys[:-1], keys[1:])).as_py()
+
+
+def _decide(waves: Waves, sw: SemanticWork, units: list[list[int]], centroids: np.ndarray,
+            sample_keys: list[str], out_url: str) -> dict[str, Any]:
+    """Assignment, pair search, components and survivors as waves; writes the file."""
+    import ray
+
+    shared = ray.put(centroids)
+    sizes = waves.fold(assign_unit, [(sw, i, u, shared) for i, u in enumerate(units)],
+                       np.add, np.zeros(len(centroids), np.int64))
+    groups = balanced_groups(sizes, sw.buckets, sw.pair_tasks)
+    waves.run(pair_group, [(sw, g, buckets, len(units)) for g, buckets in enumerate(groups)])
+    labels, directed = components(waves, sw.work, [("edges", len(groups))])
+    P = sw.work.parts  # noqa: N806 - the partition count, as in the docs
+    waves.run(route_labels, [(sw, p, labels, [u[0] for u in units]) for p in range(P)])
+    waves.run(attach, [(sw, i, u) for i, u in enumerate(units)], READ_CPUS)
+    boundaries = key_boundaries(sample_keys, P)
+    decided = waves.run(decide, [(sw, p, len(units), boundaries) for p in range(P)])
+    ranges = len(boundaries) + 1
+    waves.run(sort_range, [(sw.work, r, SEMANTIC_SCHEMA) for r in range(ranges)],
+              name="sort_semantic_range")
+    waves.run(concat_sorted, [(sw.work, ranges, out_url, SEMANTIC_SCHEMA)],
+              name="concat_semantic")
+    return {"clusters": len(centroids), "largest_cluster": int(sizes.max(initial=0)),
+            "pairs": directed // 2,
+            Status.DUPLICATE_SEMANTIC.value: sum(d["duplicates"] for d in decided)}
+
+
+def _pair_tasks(rows: int, dim: int, probes: int, clusters: int, cpus: int
+                ) -> tuple[int, int]:
+    """Pair-search tasks and buckets of memberships: a task holds about GROUP_BYTES of
+    them (two tasks a CPU at least), in four buckets, so that the tasks can be balanced."""
+    tasks = max(2 * cpus, math.ceil(rows * probes * (4 * dim + 16) / GROUP_BYTES))
+    buckets = max(1, min(clusters, 4 * tasks))
+    return min(tasks, buckets), buckets
+
+
 def run_semantic_dedup(cfg: PairforgeConfig, out: OutputDir, steps: list[type[Step]]
                        ) -> dict[str, Any]:
     """Embed what is missing, decide the semantic duplicates, write them; the stats."""
@@ -162,35 +242,43 @@ def run_semantic_dedup(cfg: PairforgeConfig, out: OutputDir, steps: list[type[St
         if finished.get("inputs_digest") == digest:
             return finished
     started = time.perf_counter()
-    import ray
-
-    read = ray.remote(num_cpus=_READ_CPUS, max_retries=cfg.ray.max_task_retries)(embedded_rows)
-    parts = ray.get([read.remote(out.url, cfg.output.storage_options, s, scorer.score_column,
-                                 cut) for s in shard_ids])
-    parts = [(t, v) for t, v in parts if t.num_rows]
-    rows = pa.concat_tables([pa.table({"key": pa.array([], pa.string()),
-                                       "area": pa.array([], pa.int64())}),
-                             *(t for t, _ in parts)])
-    read_s = time.perf_counter() - started
-    if rows.num_rows < 2:
-        table = SEMANTIC_SCHEMA.empty_table()
-        stats = {"embeddings": rows.num_rows, Status.DUPLICATE_SEMANTIC.value: 0}
-    else:
-        result = semantic_duplicates(
-            rows["key"], np.concatenate([v for _, v in parts]),
-            pc.fill_null(rows["area"], 0).to_numpy(), semantic.threshold,
-            default_clusters(rows.num_rows, semantic.rows_per_cluster), semantic.iterations,
-            semantic.seed, ray_pairs_mapper(cfg.ray.max_task_retries),
-            groups=2 * max(1, int(ray.cluster_resources().get("CPU", 1))),
-            probes=semantic.probes)
-        table, stats = result.duplicates, result.stats
+    waves = Waves(cfg.ray.max_task_retries)
+    reader = EmbeddedRows(out.url, cfg.output.storage_options, scorer.score_column, cut)
+    cpus = cluster_cpus()
+    units = _units(shard_ids, cfg.input.shard_size, cpus)
+    rows = sum(waves.run(count_unit, [(reader, u) for u in units], READ_CPUS))
     out.makedirs(DEDUP_FOLDER)
-    with out.open_atomic(DEDUP_FOLDER, SEMANTIC_FILE) as f:
-        pq.write_table(table, f)
+    work_url = out.uri(DEDUP_FOLDER, WORK_FOLDER)
+    _remove(out)  # what an interrupted run left: this run redoes all of it
+    if rows < 2:
+        with out.open_atomic(DEDUP_FOLDER, SEMANTIC_FILE) as f:
+            pq.write_table(SEMANTIC_SCHEMA.empty_table(), f)
+        stats = {"embeddings": rows, Status.DUPLICATE_SEMANTIC.value: 0}
+    else:
+        work = Work(work_url, cfg.output.storage_options, partition_count(rows, cpus), 0)
+        centroids, sample_keys = _train(waves, reader, work, units, rows, semantic)
+        trained = time.perf_counter()
+        dim = centroids.shape[1]
+        tasks, buckets = _pair_tasks(rows, dim, semantic.probes, len(centroids), cpus)
+        sw = SemanticWork(work, reader, dim, semantic.threshold, semantic.probes, buckets,
+                          tasks)
+        decided = _decide(waves, sw, units, centroids, sample_keys,
+                          out.uri(DEDUP_FOLDER, SEMANTIC_FILE))
+        _remove(out)
+        stats = {"embeddings": rows, "probes": semantic.probes, "threshold": semantic.threshold,
+                 "sample_rows": len(sample_keys), "units": len(units),
+                 "partitions": sw.work.parts, **decided,
+                 "seconds": {"kmeans": round(trained - started, 3),
+                             "phases": {k: round(v, 3) for k, v in waves.seconds.items()}}}
     stats = {"stage": "semantic_dedup", **stats, "score_threshold": cut,
              "inputs_digest": digest,
-             "seconds": {**stats.get("seconds", {}), "read": round(read_s, 3),
+             "seconds": {**stats.get("seconds", {}),
                          "total": round(time.perf_counter() - started, 3)}}
     out.write_json(stats, DEDUP_FOLDER, SEMANTIC_STATS)  # last: the completion marker
     return stats
 
+
+def _remove(out: OutputDir) -> None:
+    out.fs.invalidate_cache()
+    if out.exists(DEDUP_FOLDER, WORK_FOLDER):
+        out.fs.rm(out.path(DEDUP_FOLDER, WORK_FOLDER), recursive=True)
