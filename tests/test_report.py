@@ -111,3 +111,29 @@ def test_the_page_renders_in_headless_chromium(dataset, tmp_path):
     assert _colour_pixels(rendered, (196, 78, 82)) > 500  # its red "too_small" bar
     assert _colour_pixels(rendered, (255, 0, 0), 40) > 400  # the red sample's thumbnail
     assert _colour_pixels(rendered, (0, 0, 255), 40) > 400  # the blue one's
+
+
+def test_charts_read_evenly_spaced_shards_up_to_a_bound():
+    """At 10^9 rows the page cannot read every row: the charts take every k-th shard."""
+    from pairforge.shards.report import sampled_shards
+
+    manifest = {"shards": [{"name": f"{i:05d}.tar", "samples": 10_000} for i in range(1_000)]}
+    chosen = sampled_shards(manifest, most_rows=200_000)
+    assert [s["name"] for s in chosen[:3]] == ["00000.tar", "00050.tar", "00100.tar"]
+    assert len(chosen) == 20 and sum(s["samples"] for s in chosen) == 200_000
+    assert len(sampled_shards(manifest, most_rows=10**9)) == 1_000
+
+
+def test_a_sampled_page_says_so(dataset, monkeypatch):
+    import pairforge.shards.report as report
+
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    manifest["shards"].append({**manifest["shards"][0], "name": "00001.tar"})
+    for suffix in (".tar", ".parquet"):  # a second shard (a copy) the charts must skip
+        shutil.copy(dataset / "shards" / f"00000{suffix}", dataset / "shards" / f"00001{suffix}")
+    (dataset / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(report, "SAMPLE_ROWS", 2)  # the one real shard: 2 samples
+    page = render_report(str(dataset))
+    assert ("charts and examples from the 3 rows of 1 of the 2 shards (one in 2); counts "
+            "and tables from the manifest") in page
+    assert "every one of the 2 images&#x27; token counts is 16" in _section(page, "budget")

@@ -28,14 +28,43 @@ from pairforge.shards.dataset import check_output_folder, open_dataset
 from pairforge.shards.duplicates import summary_lines
 from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, SHARDS_FOLDER, OutputDir
 
+# The charts are drawn from at most about this many rows, read from evenly spaced shards:
+# a histogram of 10^9 values says no more than one of 10^5, and the page's counts come
+# from the manifest, not from the rows.
+SAMPLE_ROWS = 200_000
+_ROW_COLUMNS = ["key", "task", "n_image_tokens", "n_caption_tokens", "clip_score", "caption",
+                "recaption", "recaption_flags"]
 
-def _rows(out: OutputDir, manifest: dict[str, Any]) -> pa.Table:
+
+def sampled_shards(manifest: dict[str, Any], most_rows: int | None = None
+                   ) -> list[dict[str, Any]]:
+    """Every k-th shard of the manifest, k chosen so that they hold about ``most_rows``
+    (default SAMPLE_ROWS)."""
+    most_rows = SAMPLE_ROWS if most_rows is None else most_rows
+    shards = manifest["shards"]
+    total = sum(s["samples"] for s in shards)
+    step = max(1, -(-total // max(1, most_rows)))
+    return shards[::step]
+
+
+def _rows(out: OutputDir, manifest: dict[str, Any]) -> tuple[pa.Table, str]:
+    """The chart columns of the sampled shards' rows, and a note saying which they are."""
+    wanted = _ROW_COLUMNS + [c["score"] for c in manifest.get("classifiers") or []]
+    chosen = sampled_shards(manifest)
     tables = []
-    for shard in manifest["shards"]:
+    for shard in chosen:
         name = shard["name"].replace(".tar", ".parquet")
         with out.fs.open(out.path(SHARDS_FOLDER, name), "rb") as f:
-            tables.append(pq.read_table(f))
-    return pa.concat_tables(tables, promote_options="permissive")
+            parquet = pq.ParquetFile(f)
+            present = [c for c in wanted if c in parquet.schema_arrow.names]
+            tables.append(parquet.read(columns=present))
+    rows = pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
+    total = len(manifest["shards"])
+    note = "" if len(chosen) == total else (
+        f"charts and examples from the {rows.num_rows:,} rows of {len(chosen):,} of the "
+        f"{total:,} shards (one in {-(-total // max(1, len(chosen)))}); counts and tables "
+        "from the manifest")
+    return rows, note
 
 
 def _section(anchor: str, title: str, *parts: str) -> str:
@@ -218,11 +247,13 @@ def _thumbnails(out: OutputDir, n: int = 12) -> str:
 
 def _timings(out: OutputDir, manifest: dict[str, Any]) -> str:
     rows: list[list[Any]] = []
-    raw = [out.read_json(RAW_FOLDER, n.rsplit("/", 1)[-1])
-           for n in out.glob(f"{RAW_FOLDER}/*_stats.json")]
-    seconds = sum(s.get("duration_s") or 0 for s in raw)
-    count = sum(s.get("count", 0) for s in raw)
-    if raw:
+    shards = seconds = count = 0
+    for name in out.glob(f"{RAW_FOLDER}/*_stats.json"):  # one at a time: 10^5 at 10^9 rows
+        stats = out.read_json(RAW_FOLDER, name.rsplit("/", 1)[-1])
+        shards += 1
+        seconds += stats.get("duration_s") or 0
+        count += stats.get("count", 0)
+    if shards:
         rows.append(["download", "shard tasks", count, f"{seconds:.1f}",
                      f"{count / seconds:,.1f}" if seconds else "-"])
     if out.exists(DEDUP_FOLDER, "dedup_stats.json"):
@@ -273,9 +304,10 @@ SECTIONS = [("funnel", "funnel"), ("budget", "token budget"), ("scores", "scores
 
 def render_report(path: str, storage_options: dict | None = None) -> str:
     out, manifest = open_dataset(path, storage_options)
-    rows = _rows(out, manifest)
+    rows, sampled = _rows(out, manifest)
     nav = "<nav>" + "".join(f'<a href="#{a}">{t}</a>' for a, t in SECTIONS) + "</nav>"
-    body = [_summary(path, out, manifest), nav, _funnel(manifest), _budget(rows, manifest),
+    body = [_summary(path, out, manifest), _note(sampled) if sampled else "", nav,
+            _funnel(manifest), _budget(rows, manifest),
             _scores(rows, manifest), _recaption(rows, manifest), _thumbnails(out),
             _timings(out, manifest), _cost(manifest), _config(manifest)]
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>pairforge report: "
