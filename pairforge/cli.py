@@ -351,6 +351,26 @@ def recaption_eval(
         raise typer.Exit(1)
 
 
+@app.command("serve")
+def serve_command(
+    config: ConfigArg,
+    host: Annotated[str | None, typer.Option(help="listen address [default: serve.host]")]
+    = None,
+    port: Annotated[int | None, typer.Option(help="listen port [default: serve.port]")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """On-demand captions over HTTP (Ray Serve): POST /v1/captions, with the recaption
+    step's captioner and safety checks (pairforge/serve)."""
+    from pairforge.serve.run import serve_until_interrupted, start_service
+
+    cfg = _load(config, set_)
+    url = _run_guarded(start_service, cfg, host, port)
+    console.print(f"serving captions of {escape(cfg.process.recaption.model)} on {url} "
+                  "(POST /v1/captions, GET /readyz, /metrics, /docs); Ctrl-C stops",
+                  highlight=False)
+    serve_until_interrupted()
+
+
 @app.command("eval")
 def eval_run(
     run: Annotated[str, typer.Argument(help="training run folder (or its checkpoint.pt)")],
