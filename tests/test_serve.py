@@ -322,3 +322,21 @@ def test_serve_cache_tiers_exclusions_and_lru_bound() -> None:
     assert list(cache.slots) == ["d", "e", "f"] and cache.evictions == 3
     assert cache.lookup("new", 0b1100) is None  # the evicted slots' hashes went with them
     assert cache.nearest(east) is None  # and their vectors
+
+
+def test_serve_verb_names_config_problems_before_ray_starts(tmp_path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from pairforge.cli import app
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(json.dumps(_config(token_env=TOKEN_ENV)))
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    runner = CliRunner()
+    unset = runner.invoke(app, ["serve", str(config)])
+    assert unset.exit_code == 2 and TOKEN_ENV in unset.output
+    off = runner.invoke(app, ["serve", str(config), "--set", "serve.token_env=null",
+                              "--set", "process.recaption.enabled=false"])
+    assert off.exit_code == 2 and "process.recaption.enabled" in off.output
+    pair = runner.invoke(app, ["serve", str(config), "--set", "serve.min_replicas=1"])
+    assert pair.exit_code == 2 and "max_replicas" in pair.output
