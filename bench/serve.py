@@ -180,12 +180,21 @@ def main() -> None:
     parser.add_argument("--phase-s", type=float, default=12.0)
     parser.add_argument("--soak", type=int, default=10_000)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--pairs", type=int, default=0,
+                        help="only interleaved pairs: the bare loop, then 64 closed-loop "
+                        "clients, this many times (the saturation ratio on a noisy host)")
     args = parser.parse_args()
     overrides = ["serve.cache.max_entries=2000", "process.recaption.torch_threads=1",
                  "ray.num_cpus=2", *args.overrides]
     cfg = load_config(Path(args.config), overrides)
     bodies = [p.read_bytes() for p in SCENES]
     report: dict = {"config": args.config, "overrides": overrides}
+    if args.pairs:
+        report["pairs"] = pairs(cfg, bodies, args)
+        print(json.dumps(report["pairs"]), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return
     report["bare_loop"] = bare_loop(cfg, bodies, args.phase_s)
     print("bare loop", report["bare_loop"], flush=True)
     url = args.url or start(cfg)
@@ -214,6 +223,24 @@ def main() -> None:
     print(json.dumps(report["targets"]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+def pairs(cfg, bodies: list[bytes], args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """Bare loop and saturated service in turn: each ratio compares neighbours in time."""
+    url = args.url or start(cfg)
+    load = Load(url, bodies)
+    measured(url, load.closed(4, 3.0))  # warm up
+    rows = []
+    for _ in range(args.pairs):
+        bare = bare_loop(cfg, bodies, args.phase_s)["images_per_s"]
+        served = measured(url, load.closed(64, args.phase_s))
+        rows.append({"bare": bare, "serve": served["images_per_s"],
+                     "mean_batch": served["mean_batch"], "errors": served["errors"],
+                     "ratio": round(served["images_per_s"] / bare, 2)})
+        print(rows[-1], flush=True)
+    ratios = sorted(r["ratio"] for r in rows)
+    return {"rows": rows, "ratio_median": statistics.median(ratios),
+            "ratio_range": [ratios[0], ratios[-1]]}
 
 
 def start(cfg) -> str:  # noqa: ANN001
