@@ -183,12 +183,25 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=0,
                         help="only interleaved pairs: the bare loop, then 64 closed-loop "
                         "clients, this many times (the saturation ratio on a noisy host)")
+    parser.add_argument("--latency", type=float, metavar="RATE",
+                        help="only the latency target: 1 closed-loop client, then Poisson "
+                        "arrivals at half of RATE (a saturation rate measured before)")
     args = parser.parse_args()
     overrides = ["serve.cache.max_entries=2000", "process.recaption.torch_threads=1",
                  "ray.num_cpus=2", *args.overrides]
     cfg = load_config(Path(args.config), overrides)
     bodies = [p.read_bytes() for p in SCENES]
     report: dict = {"config": args.config, "overrides": overrides}
+    if args.latency:
+        url = args.url or start(cfg)
+        load = Load(url, bodies)
+        measured(url, load.closed(1, 3.0))  # warm up
+        single = measured(url, load.closed(1, args.phase_s))
+        half = measured(url, load.open(args.latency / 2, args.phase_s))
+        report["latency"] = {"single": single, "half": half,
+                             "p99_at_half_vs_single": round(half["p99_ms"] / single["p50_ms"], 2)}
+        print(json.dumps(report["latency"]), flush=True)
+        return
     if args.pairs:
         report["pairs"] = pairs(cfg, bodies, args)
         print(json.dumps(report["pairs"]), flush=True)
