@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 from pairforge.config import PairforgeConfig
@@ -24,10 +25,16 @@ def start_service(cfg: PairforgeConfig, host: str | None = None, port: int | Non
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def serve_until_interrupted() -> None:
-    """Keep the driver (and with a local Ray, the service) alive until Ctrl-C."""
+    """Keep the driver (and with a local Ray, the service) alive until Ctrl-C or SIGTERM
+    (a process manager's stop), then take the application down."""
     from ray import serve
 
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(3600)
