@@ -340,3 +340,49 @@ def test_serve_verb_names_config_problems_before_ray_starts(tmp_path, monkeypatc
     assert off.exit_code == 2 and "process.recaption.enabled" in off.output
     pair = runner.invoke(app, ["serve", str(config), "--set", "serve.min_replicas=1"])
     assert pair.exit_code == 2 and "max_replicas" in pair.output
+
+
+def test_replica_captioner_tiers_and_batch_duplicates() -> None:
+    """Without Serve: the embedding tier answers a re-shot scene with the captioner's own
+    vectors, and duplicates within a batch run the model once."""
+    from pairforge.serve.captioning import ReplicaCaptioner
+    from pairforge.serve.inputs import decode_upload
+
+    cfg = parse_config(_config(cache={"embedding_threshold": 0.98}))
+    replica = ReplicaCaptioner(cfg)
+    replica.load()
+    calls: list[int] = []
+    generate = replica.checked.captioner.generate
+    replica.checked.captioner.generate = lambda images, prompt: (
+        calls.append(len(images)) or generate(images, prompt))
+    scene = decode_upload(SCENES[20].read_bytes(), cfg)
+    other = decode_upload(SCENES[21].read_bytes(), cfg)
+    first = replica.caption([scene, other, scene])
+    assert [a.cache for a in first] == ["miss", "miss", "miss"]
+    assert first[0].entry == first[2].entry and calls == [2]  # one generate, two images
+    shifted = scene.image.copy()
+    shifted.putpixel((0, 0), (0, 0, 0))  # other pixels, so another pixel hash
+    reshot = decode_upload(_png(shifted), cfg)
+    assert reshot.pixel_hash != scene.pixel_hash
+    again = replica.caption([scene, reshot])
+    assert [a.cache for a in again] == ["exact", "embedding"]
+    assert again[1].entry == first[0].entry and calls == [2]
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_deployment_options_fixed_or_autoscaling() -> None:
+    from pairforge.serve.app import deployment_options
+
+    fixed = deployment_options(parse_config(_config(replicas=3)))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0}
+    scaled = deployment_options(parse_config(_config(min_replicas=1, max_replicas=4)))
+    assert "num_replicas" not in scaled
+    assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4,
+                                            "target_ongoing_requests": 8.0}
+    assert scaled["max_ongoing_requests"] == 64
