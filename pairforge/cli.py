@@ -284,13 +284,21 @@ def cost(path: PathArg,
          seconds_per_image: Annotated[float | None, typer.Option(
              help="device-seconds per generated caption measured elsewhere (e.g. a GPU run) "
              "instead of this build's")] = None,
+         serve_seconds: Annotated[float | None, typer.Option(
+             help="on demand: device-seconds per caption measured on pairforge serve (a "
+             "replica's devices / its saturation images/s, bench/serve.py) [default: the "
+             "build's per generated caption]")] = None,
+         serve_hit_rate: Annotated[float, typer.Option(
+             min=0.0, max=1.0, help="on demand: the share of uploads the service's cache "
+             "answers")] = 0.0,
          json_: JsonOpt = False) -> None:
     """What captioning this build cost per image, and a backfill and a daily rate would."""
     from pairforge.shards.cost import from_manifest, lines
     from pairforge.shards.dataset import open_dataset
 
     _, manifest = _run_guarded(open_dataset, path)
-    figures = from_manifest(manifest, price, images, per_day, seconds_per_image)
+    figures = from_manifest(manifest, price, images, per_day, seconds_per_image,
+                            serve_seconds, serve_hit_rate)
     if json_:
         typer.echo(json.dumps(figures, indent=1))
         return
@@ -349,6 +357,26 @@ def recaption_eval(
         console.print(f"[red]gap too large:[/red] {escape(line)}")
     if failures:
         raise typer.Exit(1)
+
+
+@app.command("serve")
+def serve_command(
+    config: ConfigArg,
+    host: Annotated[str | None, typer.Option(help="listen address [default: serve.host]")]
+    = None,
+    port: Annotated[int | None, typer.Option(help="listen port [default: serve.port]")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """On-demand captions over HTTP (Ray Serve): POST /v1/captions, with the recaption
+    step's captioner and safety checks (pairforge/serve)."""
+    from pairforge.serve.run import serve_until_interrupted, start_service
+
+    cfg = _load(config, set_)
+    url = _run_guarded(start_service, cfg, host, port)
+    console.print(f"serving captions of {escape(cfg.process.recaption.model)} on {url} "
+                  "(POST /v1/captions, GET /readyz, /metrics, /docs); Ctrl-C stops",
+                  highlight=False)
+    serve_until_interrupted()
 
 
 @app.command("eval")

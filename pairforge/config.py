@@ -467,6 +467,58 @@ class EvaluationConfig(Strict):
     max_gap: GapBounds = Field(default_factory=GapBounds)
 
 
+class ServeCacheConfig(Strict):
+    """``pairforge serve``'s own caption cache: in each replica's memory, LRU-bounded."""
+
+    max_entries: int = Field(10_000, ge=0, description="captions kept per replica, least "
+                             "recently used evicted first (0: no cache)")
+    phash_distance: int = Field(
+        0, ge=0, le=4, description="also answer an upload within this perceptual-hash "
+        "distance of a cached image (0: off; see README: a re-shot sign reads differently)")
+    embedding_threshold: float | None = Field(
+        None, gt=0, le=1, description="also answer an upload whose image embedding "
+        "(process.recaption.cache.embedding_source) has at least this cosine with a cached "
+        "image's (null: off)")
+
+
+class ServeConfig(Strict):
+    """``pairforge serve``: on-demand captioning over HTTP (Ray Serve, pairforge/serve)."""
+
+    host: str = Field("127.0.0.1", description="address the HTTP proxy listens on")
+    port: int = Field(8000, ge=0, le=65535)
+    replicas: int = Field(1, gt=0, description="replicas when autoscaling is off")
+    min_replicas: int | None = Field(None, ge=0, description="with max_replicas: autoscale "
+                                     "between these (Serve's autoscaling_config)")
+    max_replicas: int | None = Field(None, gt=0)
+    target_ongoing_requests: float = Field(8.0, gt=0, description="autoscaling target per "
+                                           "replica")
+    max_ongoing_requests: int = Field(64, gt=0, description="requests a replica holds at "
+                                      "once (queued for a batch included)")
+    max_batch_size: int = Field(8, gt=0, description="images per model call (@serve.batch)")
+    batch_wait_timeout_s: float = Field(0.01, ge=0, description="how long a batch waits to "
+                                        "fill once its first request is in")
+    max_body_bytes: int = Field(20 * 1024**2, gt=0, description="request body cap: 413 past "
+                                "it (also the cap on a fetched URL's body)")
+    max_image_pixels: int = Field(40_000_000, gt=0, description="decoded-pixel cap "
+                                  "(decompression bombs): 413 past it")
+    timeout_s: float = Field(30.0, gt=0, description="a request's whole deadline (504 past "
+                             "it)")
+    url_timeout_s: float = Field(5.0, gt=0, description="deadline of one fetch of a JSON "
+                                 "{\"url\"} (download's guarded fetcher; download.allow_"
+                                 "addresses applies)")
+    token_env: str | None = Field(None, description="environment variable holding a bearer "
+                                  "token every caption request must carry (null: none)")
+    cache: ServeCacheConfig = Field(default_factory=ServeCacheConfig)
+
+    @model_validator(mode="after")
+    def _autoscale_pair(self) -> ServeConfig:
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise ValueError("serve.min_replicas and serve.max_replicas go together")
+        if self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError("serve.min_replicas is over serve.max_replicas")
+        return self
+
+
 class PairforgeConfig(Strict):
     input: InputConfig
     output: OutputConfig = Field(default_factory=OutputConfig)
@@ -476,6 +528,7 @@ class PairforgeConfig(Strict):
     process: ProcessConfig = Field(default_factory=ProcessConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @model_validator(mode="after")
     def _semantic_needs_clip(self) -> PairforgeConfig:

@@ -2,11 +2,11 @@
 
 Layers, lowest first: the ground floor (config, records, stage, images, retry, tables,
 machine); the domain packages (download, filters, tokenizers, recaption, shards, train,
-sample, scenes); pipeline (Ray orchestration); cli (verbs). A module may import its own
-layer and those below it, never one above: a domain package that needs the pipeline has
-its logic in the wrong place. Only pipeline/ imports Ray (the recaption step's claim
-registry, a named actor, aside), and no module reaches itself through its imports, not
-even through an import inside a function.
+sample, scenes); pipeline and serve (Ray orchestration, the service on Ray Serve); cli
+(verbs). A module may import its own layer and those below it, never one above: a domain
+package that needs the pipeline has its logic in the wrong place. Only pipeline/ and
+serve/ import Ray (the recaption step's claim registry, a named actor, aside), and no
+module reaches itself through its imports, not even through an import inside a function.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def layer_of(module: str) -> str:
     top = parts[1] if len(parts) > 1 else "__init__"
     if top in GROUND:
         return "ground"
-    if top == "pipeline":
+    if top in ("pipeline", "serve"):  # serve/: the service on Ray Serve
         return "pipeline"
     if top == "cli" or parts[-1] == "cli":
         return "cli"  # pairforge.cli and each package's own verbs (tokenizers.cli, ...)

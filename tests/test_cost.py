@@ -65,3 +65,19 @@ def test_cost_verb_and_inspect_json(tmp_path: Path) -> None:
     text = runner.invoke(app, ["cost", str(tmp_path), "--images", "1000000"]).stdout
     assert "backfill of 1,000,000 images: $59 " in text
     assert runner.invoke(app, ["cost", str(tmp_path / "absent")]).exit_code == 2
+
+
+def test_the_on_demand_projection_prices_the_captioner_less_cache_hits(tmp_path: Path) -> None:
+    # 1 M uploads/day at the build's 0.086 s per caption, $0.00069/s: $59.34/day
+    cost = estimate(_manifest(750, 250, 64.5), 0.00069, 0, 1_000_000)
+    assert cost["on_demand_seconds_per_caption"] == pytest.approx(0.086)
+    assert cost["on_demand_dollars_per_day"] == pytest.approx(59.34)
+    # the service's own seconds and a 30 % hit rate
+    served = estimate(_manifest(750, 250, 64.5), 0.00069, 0, 1_000_000, serve_seconds=0.1,
+                      serve_hit_rate=0.3)
+    assert served["on_demand_dollars_per_day"] == pytest.approx(48.3)
+    assert served["on_demand_dollars_saved_by_cache_per_day"] == pytest.approx(20.7)
+    (tmp_path / "manifest.json").write_text(json.dumps(_manifest(1000, 0, 86.0)))
+    text = CliRunner().invoke(app, ["cost", str(tmp_path), "--serve-seconds", "0.1",
+                                    "--serve-hit-rate", "0.3"]).stdout
+    assert "cache hit rate 30.0%: $48.30/day (the cache saves $20.70)" in text

@@ -8,6 +8,12 @@ recaption step's part: only misses run the model, so its seconds per image are t
 seconds per *generated* caption times the miss rate, and a hit rate ``h`` saves ``h`` of
 that on every image.
 
+The on-demand projection (``pairforge serve``) prices the captioner alone, as the service
+runs nothing else: uploads per day times the seconds per caption (the build's per
+generated caption, or ``serve_seconds`` measured on the service, e.g. one replica's device
+divided by its saturation rate from bench/serve.py) times the price, less the share its
+cache answers (``serve_hit_rate``; 0 unless given: a new upload is rarely a repeat).
+
 Seconds are the steps' own (``manifest.steps``: time in ``process``, shared over the rows
 of each batch), on whatever device the build ran: a CPU build's figures price CPU time.
 ``seconds_per_image`` replaces the measured recaption figure with one measured elsewhere
@@ -27,8 +33,20 @@ def _recaption(manifest: dict[str, Any]) -> tuple[int, int]:
     return origin.get("model", 0), sum(origin.get(o, 0) for o in CACHE_ORIGINS)
 
 
+def on_demand(per_day: int, seconds_per_caption: float, hit_rate: float,
+              price_per_second: float) -> dict[str, Any]:
+    """The service's daily cost: only cache misses run the captioner."""
+    paid = per_day * seconds_per_caption * price_per_second
+    return {"on_demand_seconds_per_caption": round(seconds_per_caption, 6),
+            "on_demand_hit_rate": hit_rate,
+            "on_demand_dollars_per_day": round((1 - hit_rate) * paid, 2),
+            "on_demand_dollars_saved_by_cache_per_day": round(hit_rate * paid, 2)}
+
+
 def estimate(manifest: dict[str, Any], price_per_second: float, images: int,
-             images_per_day: int, seconds_per_image: float | None = None) -> dict[str, Any]:
+             images_per_day: int, seconds_per_image: float | None = None,
+             serve_seconds: float | None = None, serve_hit_rate: float = 0.0
+             ) -> dict[str, Any]:
     """The cost figures of one build (module doc); all money in dollars."""
     steps = {name: part["seconds"] / part["rows_in"]
              for name, part in (manifest.get("steps") or {}).items() if part["rows_in"]}
@@ -50,12 +68,15 @@ def estimate(manifest: dict[str, Any], price_per_second: float, images: int,
             "backfill_images": images, "backfill_dollars": round(images * per_image, 2),
             "images_per_day": images_per_day,
             "dollars_per_day": round(images_per_day * per_image, 2),
-            "backfill_dollars_saved_by_cache": round(images * saved, 2)}
+            "backfill_dollars_saved_by_cache": round(images * saved, 2),
+            **on_demand(images_per_day, per_caption if serve_seconds is None else serve_seconds,
+                        serve_hit_rate, price_per_second)}
 
 
 def from_manifest(manifest: dict[str, Any], price_per_second: float | None = None,
                   images: int | None = None, images_per_day: int | None = None,
-                  seconds_per_image: float | None = None) -> dict[str, Any]:
+                  seconds_per_image: float | None = None, serve_seconds: float | None = None,
+                  serve_hit_rate: float = 0.0) -> dict[str, Any]:
     """The estimate with the build's own ``cost`` settings where no value is given."""
     from pairforge.config import CostConfig
 
@@ -65,7 +86,7 @@ def from_manifest(manifest: dict[str, Any], price_per_second: float | None = Non
                     else price_per_second,
                     settings.backfill_images if images is None else images,
                     settings.images_per_day if images_per_day is None else images_per_day,
-                    seconds_per_image)
+                    seconds_per_image, serve_seconds, serve_hit_rate)
 
 
 def lines(cost: dict[str, Any]) -> list[str]:
@@ -79,4 +100,8 @@ def lines(cost: dict[str, Any]) -> list[str]:
         f"${cost['price_per_device_second']:g}/s = ${cost['dollars_per_image']:.3g} per image",
         f"backfill of {cost['backfill_images']:,} images: ${cost['backfill_dollars']:,.0f} "
         f"(the cache saves ${cost['backfill_dollars_saved_by_cache']:,.0f}); "
-        f"{cost['images_per_day']:,} images/day: ${cost['dollars_per_day']:,.2f}/day"]
+        f"{cost['images_per_day']:,} images/day: ${cost['dollars_per_day']:,.2f}/day",
+        f"on demand (pairforge serve, the captioner only): {cost['images_per_day']:,} "
+        f"uploads/day at {cost['on_demand_seconds_per_caption']:.4g} s per caption, cache hit "
+        f"rate {cost['on_demand_hit_rate']:.1%}: ${cost['on_demand_dollars_per_day']:,.2f}/day "
+        f"(the cache saves ${cost['on_demand_dollars_saved_by_cache_per_day']:,.2f})"]

@@ -1,0 +1,1 @@
+"""On-demand captioning over HTTP (``pairforge serve``): a Ray Serve application."""

@@ -1,0 +1,44 @@
+"""Starting and stopping the service on Ray: local Ray by default, or ``ray.address``."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from pairforge.config import PairforgeConfig
+from pairforge.pipeline.ray_runtime import init_ray
+from pairforge.serve.app import APP_NAME, build_app
+
+
+def start_service(cfg: PairforgeConfig, host: str | None = None, port: int | None = None,
+                  name: str = APP_NAME, route_prefix: str = "/") -> str:
+    """Deploy the service (``host``/``port`` override ``serve.host``/``serve.port``) and
+    return its base URL; the models load in the background (``GET /readyz``)."""
+    from ray import serve
+
+    host = host or cfg.serve.host
+    port = cfg.serve.port if port is None else port
+    app = build_app(cfg)  # config errors surface before Ray starts
+    init_ray(cfg.ray)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve_until_interrupted() -> None:
+    """Keep the driver (and with a local Ray, the service) alive until Ctrl-C or SIGTERM
+    (a process manager's stop), then take the application down."""
+    from ray import serve
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
