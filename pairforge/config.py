@@ -72,6 +72,23 @@ class ImageConfig(Strict):
                             description="decoded-pixel cap (decompression bombs)")
 
 
+class BlockListConfig(Strict):
+    """A file of image hashes whose images are refused (status ``blocked``)."""
+
+    path: str = Field(description="one hash a line, hex (local or fsspec URL)")
+    kind: Literal["sha256", "pixel_hash", "phash"] = Field(
+        description="sha256 of the downloaded bytes, pixel_hash of the decoded pixels, "
+                    "or the 64-bit perceptual hash")
+    max_distance: int = Field(0, ge=0, le=16, description="phash only: refuse within this "
+                              "many bits")
+
+    @model_validator(mode="after")
+    def _distance_is_for_phash(self) -> BlockListConfig:
+        if self.max_distance and self.kind != "phash":
+            raise ValueError(f"max_distance is for kind phash, not {self.kind}")
+        return self
+
+
 class DownloadConfig(Strict):
     processes: int | None = Field(None, gt=0,
                                   description="shards downloaded at once (default: CPUs)")
@@ -96,6 +113,12 @@ class DownloadConfig(Strict):
         default_factory=list,
         description="CIDRs the address guard lets through (e.g. 127.0.0.1/32 for tests)")
     allow_file_scheme: bool = False
+    opt_out_lists: list[str] = Field(
+        default_factory=list, description="files of domains, URLs and URL prefixes (ending "
+        "in *) whose rows end opted_out (reason list) before any request")
+    block_lists: list[BlockListConfig] = Field(
+        default_factory=list, description="files of image hashes whose images end blocked, "
+        "refused after decoding, before anything is written")
     image: ImageConfig = Field(default_factory=ImageConfig)
 
     @field_validator("allow_addresses")

@@ -22,7 +22,8 @@ class Status(StrEnum):
     TOO_LARGE = "too_large"  # body over max_bytes, or decoded pixels over max_pixels
     NOT_AN_IMAGE = "not_an_image"  # body is not a format Pillow recognises (HTML, text, ...)
     DECODE_ERROR = "decode_error"  # recognised image that fails to decode (truncated, corrupt)
-    OPTED_OUT = "opted_out"  # X-Robots-Tag noai/noimageai/...
+    OPTED_OUT = "opted_out"  # an opt-out: X-Robots-Tag noai/noimageai/..., an opt-out list
+    BLOCKED = "blocked"  # the image's hash is on a block list (download.block_lists)
     BLOCKED_ADDRESS = "blocked_address"  # host resolves to a refused address, or refused scheme
     TOO_MANY_REDIRECTS = "too_many_redirects"  # redirect loop or chain past max_redirects
     INVALID_URL = "invalid_url"  # empty, unparsable, or a scheme that is not allowed
@@ -54,7 +55,10 @@ STATUS_HELP: dict[Status, str] = {
     Status.TOO_LARGE: "body over download.max_bytes or image over download.image.max_pixels",
     Status.NOT_AN_IMAGE: "the body is not an image Pillow recognises",
     Status.DECODE_ERROR: "an image that fails to decode (truncated or corrupt)",
-    Status.OPTED_OUT: "X-Robots-Tag opt-out (noai, noimageai, ...)",
+    Status.OPTED_OUT: "opted out: X-Robots-Tag (noai, noimageai, ...) or an opt-out list "
+                      "(download.opt_out_lists); opt_out_reason says which",
+    Status.BLOCKED: "its sha256, pixel hash or perceptual hash is on a block list "
+                    "(download.block_lists); nothing of it is written",
     Status.BLOCKED_ADDRESS: "host resolves to an address the guard refuses",
     Status.TOO_MANY_REDIRECTS: "redirect loop or more than download.max_redirects hops",
     Status.INVALID_URL: "empty/unparsable URL or a scheme that is not allowed",
@@ -100,6 +104,9 @@ RAW_COLUMNS: list[pa.Field] = [
     pa.field("phash_mirror", pa.uint64()),  # dedup only: see filters/hashing.py
     pa.field("crop_phashes", pa.list_(pa.uint64())),  # dedup only: centre regions, mirrors
     pa.field("exif", pa.string()),
+    # opted_out rows: x_robots_tag or list (null otherwise; absent in shards written before
+    # it was added, which readers take as null)
+    pa.field("opt_out_reason", pa.string()),
 ]
 
 # Only these are read by the dedup stage; it never opens images.

@@ -26,6 +26,7 @@ from pairforge.config import PairforgeConfig
 from pairforge.download.fetch import Fetcher, FetchResult
 from pairforge.download.imageproc import ImageFailure, ProcessedImage, process_image
 from pairforge.download.inputs import InputShard, read_shard_rows
+from pairforge.download.lists import Lists
 from pairforge.machine import usable_cores
 from pairforge.records import Status, index_digits, json_safe, make_key
 from pairforge.shards.raw import RawShardWriter
@@ -73,8 +74,9 @@ def _read_tar_members(sources: list[str], storage_options: dict[str, Any]) -> di
 
 
 class ShardDownloader:
-    def __init__(self, cfg: PairforgeConfig, fetcher: Fetcher, tar_bytes: dict[str, bytes]):
-        self.cfg, self.fetcher = cfg, fetcher
+    def __init__(self, cfg: PairforgeConfig, fetcher: Fetcher, tar_bytes: dict[str, bytes],
+                 lists: Lists | None = None):
+        self.cfg, self.fetcher, self.lists = cfg, fetcher, lists
         self.caption_required = cfg.input.caption_col is not None
         self.tar_bytes = tar_bytes  # images of rows that come from existing tars
         self.image_slots = threading.Semaphore(cfg.download.image_threads)
@@ -111,14 +113,23 @@ class ShardDownloader:
         if caption_error:
             return {**record, "status": Status.CAPTION_INVALID.value,
                     "error": caption_error}, None
+        if source is None and self.lists and self.lists.opted_out(row["url"]):
+            return {**record, "status": Status.OPTED_OUT.value, "opt_out_reason": "list",
+                    "error": "the URL is on an opt-out list (download.opt_out_lists)"}, None
         fetched = self._fetch(row["url"], source)
         record["http_status"] = fetched.http_status
         if fetched.status != Status.OK:
-            return {**record, "status": fetched.status.value, "error": fetched.error}, None
+            reason = "x_robots_tag" if fetched.status == Status.OPTED_OUT else None
+            return {**record, "status": fetched.status.value, "error": fetched.error,
+                    "opt_out_reason": reason}, None
         with self.image_slots:
             image = process_image(fetched.body, self.cfg.download.image)
         if isinstance(image, ImageFailure):
             return {**record, "status": image.status.value, "error": image.error}, None
+        blocked = self.lists and self.lists.blocked(image.sha256, image.pixel_hash, image.phash)
+        if blocked:  # nothing of the image is written, not even its hashes
+            return {**record, "status": Status.BLOCKED.value,
+                    "error": f"its {blocked} is on a block list (download.block_lists)"}, None
         record.update(
             image_format=image.format, width=image.width, height=image.height,
             original_width=image.original_width, original_height=image.original_height,
@@ -135,11 +146,13 @@ def _sample_meta(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, Any],
-                   progress: ProgressFn | None = None) -> dict[str, Any]:
+                   progress: ProgressFn | None = None, lists: Lists | None = None
+                   ) -> dict[str, Any]:
     """Download one shard and write its tar, parquet and (last) stats file; a part of a
     shard (``shard.parts`` > 1) writes its tar and parquet, and its stats are returned for
     ``shards.raw.merge_parts``. ``settings``: the run's settings record, written into the
-    stats so that reruns know what made the shard (the runner computes it once)."""
+    stats so that reruns know what made the shard (the runner computes it once);
+    ``lists``: the run's opt-out and block lists (``download/lists.py``), loaded once."""
     started = time.time()
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(RAW_FOLDER)
@@ -151,7 +164,7 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, 
     fetcher = Fetcher(cfg.download)
     worker = ShardDownloader(cfg, fetcher, _read_tar_members(
         [r["source"] for r in rows if (r["source"] or "").startswith("tar:")],
-        cfg.input.storage_options))
+        cfg.input.storage_options), lists)
     writer = RawShardWriter(out, RAW_FOLDER, shard.shard_id, extras,
                             (shard.part, shard.parts) if shard.parts > 1 else None)
     pending: Counter = Counter()

@@ -18,6 +18,7 @@ from pairforge.download.inputs import (
     shards_of,
     tail_parts,
 )
+from pairforge.download.lists import Lists, load_lists
 from pairforge.download.shard import download_shard
 from pairforge.download.split import SPLIT_FOLDER, SplitJob, normalise_table, run_split, write_split
 from pairforge.pipeline.entry import RunOptions, summarise
@@ -101,11 +102,27 @@ def task_errors_raised() -> Iterator[None]:
 
 
 def _download_task(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, Any],
-                   counter: Any) -> dict[str, Any]:
+                   counter: Any, lists: Lists | None) -> dict[str, Any]:
     import ray
 
     return download_shard(shard, cfg, settings,
-                          progress=lambda c: ray.get(counter.add.remote(dict(c))))
+                          progress=lambda c: ray.get(counter.add.remote(dict(c))), lists=lists)
+
+
+def _lists_task(cfg: PairforgeConfig) -> tuple[int, Lists | None]:
+    lists = load_lists(cfg.download, cfg.input.storage_options)
+    return (len(lists.opt_out or []) + len(lists.block or [])) if lists else 0, lists
+
+
+def _load_lists(cfg: PairforgeConfig) -> Any:  # a Ray ObjectRef
+    """The run's lists, parsed once by a Ray task and shared with every shard task through
+    the object store (the driver holds only the reference); a list that does not parse
+    stops the run here, before any shard starts."""
+    import ray
+
+    count, lists = ray.remote(num_cpus=1, num_returns=2)(_lists_task).remote(cfg)
+    say(f"download: {ray.get(count):,} opt-out and block list entries loaded")
+    return lists
 
 
 def run_download(cfg: PairforgeConfig, run: RunOptions) -> dict[str, Any]:
@@ -123,6 +140,11 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
     out.makedirs(RAW_FOLDER)
     out.remove_temporaries(RAW_FOLDER)
     remove_parts(out, RAW_FOLDER)
+    lists = None
+    if cfg.download.opt_out_lists or cfg.download.block_lists:
+        init_ray(cfg.ray)
+        with task_errors_raised():  # a list that does not parse: before any other work
+            lists = _load_lists(cfg)
     with input_shards(cfg) as shards:
         done = completed_shards(out, RAW_FOLDER)
         todo = [s for s in shards if s.shard_id not in done]
@@ -155,7 +177,8 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
         settings = settings_record(stage_settings(cfg, "download"))
         started = time.time()
         with display, task_errors_raised():
-            _run_bounded(tail_parts(todo, limit), lambda s: task.remote(s, cfg, settings, counter),
+            _run_bounded(tail_parts(todo, limit), lambda s: task.remote(s, cfg, settings, counter,
+                                                                   lists),
                          limit, tick, done_task, on_slots=counter.share.remote)
         ray.kill(counter)
         seconds = time.time() - started

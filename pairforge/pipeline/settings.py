@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError, PairforgeConfig
+from pairforge.download.lists import list_fingerprints
 from pairforge.pipeline.entry import RunOptions
 from pairforge.shards.raw import completed_shards, shard_name, stats_name
 from pairforge.shards.storage import (
@@ -46,6 +47,16 @@ PROCESS_SECTIONS = ("dedup", "process.tasks")  # the dedup decisions; the writer
 # process 2: the wider attribute rule and constrained decoding (issue 20)
 # process 3: an attribute adjective left without its noun is the person (issue 20)
 OUTPUT_VERSIONS = {"download": 4, "process": 3}
+# Settings added after builds were made, with the value that leaves what an earlier
+# pairforge wrote unchanged: recorded only when set otherwise, so that an upgrade does not
+# mark every complete shard as made under other settings (and the golden build stays).
+ADDED_SETTINGS: dict[str, Any] = {
+    # the semantic pass's own inputs digest records them (it reruns when they change)
+    "dedup.semantic.max_clusters": 50_000,
+    "dedup.semantic.sample_rows": 131_072,
+    "download.opt_out_lists": [],
+    "download.block_lists": [],
+}
 _SAMPLE_BYTES = 1 << 20  # a model file is fingerprinted by its size and its ends
 
 
@@ -71,11 +82,19 @@ def file_fingerprint(path: Path) -> str:
 
 
 def stage_settings(cfg: PairforgeConfig, stage: str) -> dict[str, Any]:
-    """``{dotted key: value}`` of what decides the stage's bytes, model files included."""
+    """``{dotted key: value}`` of what decides the stage's bytes, model files included
+    (without ADDED_SETTINGS at their neutral values)."""
+    values = _stage_settings(cfg, stage)
+    return {k: v for k, v in values.items()
+            if k not in ADDED_SETTINGS or v != ADDED_SETTINGS[k]}
+
+
+def _stage_settings(cfg: PairforgeConfig, stage: str) -> dict[str, Any]:
     values: dict[str, Any] = {"output_version": OUTPUT_VERSIONS[stage]}
     if stage == "download":
         for section, speed in DOWNLOAD_SECTIONS.items():
             values.update(setting_values(getattr(cfg, section), f"{section}.", speed))
+        values.update(list_fingerprints(cfg.download, cfg.input.storage_options))
         return values
     for section in PROCESS_SECTIONS:
         config = functools.reduce(getattr, section.split("."), cfg)
