@@ -51,7 +51,7 @@ class FixedSet:
     """Values of one width (8 bytes or more), sorted by their first 8 bytes."""
 
     def __init__(self, values: bytes | bytearray, width: int):
-        rows = np.frombuffer(bytes(values), np.uint8).reshape(-1, width)
+        rows = np.frombuffer(values, np.uint8).reshape(-1, width)  # no copy of the buffer
         head = rows[:, :8].copy().view(">u8").ravel().astype(np.uint64)
         order = np.argsort(head, kind="stable")
         self.head = head[order]
