@@ -76,7 +76,7 @@ def _child(work: str, kind: str) -> None:
         urls += [f"https://unlisted{i}.com/x/{i}.jpg" for i in range(LOOKUPS - len(urls))]
         started = time.perf_counter()
         found = sum(lists.matches(u) for u in urls)
-        nbytes = lists.domains.nbytes + lists.urls.nbytes + lists.prefixes.nbytes
+        nbytes = lists.nbytes
         extra = {"prefix_lengths": len(lists.prefix_lengths)}
     else:
         lists = BlockList.load([BlockListConfig(path=str(folder / "sha256.txt"), kind="sha256"),

@@ -42,16 +42,18 @@ _DOMAIN = re.compile(r"^(?=.{1,253}$)([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?\.)*"
 _FINGERPRINT = 16  # bytes: a chance collision among 10^7 entries is ~10^-31
 
 
-def fingerprint(text: str) -> bytes:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=_FINGERPRINT
-                           ).digest()
+def fingerprint(kind: str, text: str) -> bytes:
+    """128 bits of BLAKE2b of an entry of one kind (kinds never collide: the kind is the
+    hash's personalisation)."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=_FINGERPRINT,
+                           person=kind.encode()).digest()
 
 
 class FixedSet:
     """Values of one width (8 bytes or more), sorted by their first 8 bytes."""
 
     def __init__(self, values: bytes | bytearray, width: int):
-        rows = np.frombuffer(bytes(values), np.uint8).reshape(-1, width)
+        rows = np.frombuffer(values, np.uint8).reshape(-1, width)  # no copy of the buffer
         head = rows[:, :8].copy().view(">u8").ravel().astype(np.uint64)
         order = np.argsort(head, kind="stable")
         self.head = head[order]
@@ -150,14 +152,15 @@ def _url_form(url: str) -> str | None:
 
 @dataclass
 class OptOutList:
-    domains: FixedSet
-    urls: FixedSet
-    prefixes: FixedSet
+    # every entry as fingerprint(kind, text), kind d(omain), u(rl) or p(refix): one sorted
+    # set, so a URL's candidates (its host's suffixes, itself, its prefixes of the listed
+    # lengths) are looked up in one search
+    entries: FixedSet
     prefix_lengths: list[int]  # distinct lengths of the prefixes, ascending
 
     @classmethod
     def load(cls, paths: list[str], storage_options: dict[str, Any]) -> OptOutList:
-        domains, urls, prefixes = bytearray(), bytearray(), bytearray()
+        entries = bytearray()
         lengths: set[int] = set()
         for path in paths:
             for number, entry in _lines(path, storage_options):
@@ -166,33 +169,36 @@ class OptOutList:
                     if not _DOMAIN.match(domain):
                         raise ConfigError(f"{path}:{number}: {entry!r} is neither a domain "
                                           "nor an http(s) URL")
-                    domains += fingerprint(domain)
+                    entries += fingerprint("d", domain)
                     continue
                 form = _url_form(entry[:-1] if entry.endswith("*") else entry)
                 if form is None or " " in entry:
                     raise ConfigError(f"{path}:{number}: {entry!r} is not an http(s) URL "
                                       "with a host")
                 if entry.endswith("*"):
-                    prefixes += fingerprint(form)
+                    entries += fingerprint("p", form)
                     lengths.add(len(form))
                 else:
-                    urls += fingerprint(form)
-        return cls(FixedSet(domains, _FINGERPRINT), FixedSet(urls, _FINGERPRINT),
-                   FixedSet(prefixes, _FINGERPRINT), sorted(lengths))
+                    entries += fingerprint("u", form)
+        return cls(FixedSet(entries, _FINGERPRINT), sorted(lengths))
 
     def __len__(self) -> int:
-        return len(self.domains) + len(self.urls) + len(self.prefixes)
+        return len(self.entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self.entries.nbytes
 
     def matches(self, url: str) -> bool:
         form = _url_form(url)
         if form is None:
             return False
-        host = urlsplit(form).hostname or ""
-        labels = host.rstrip(".").split(".")
-        domains = [fingerprint(".".join(labels[i:])) for i in range(len(labels))]
-        prefixes = [fingerprint(form[:n]) for n in self.prefix_lengths if n <= len(form)]
-        return (self.domains.any_of(domains) or fingerprint(form) in self.urls
-                or self.prefixes.any_of(prefixes))
+        labels = (urlsplit(form).hostname or "").rstrip(".").split(".")
+        candidates = [fingerprint("d", ".".join(labels[i:])) for i in range(len(labels))]
+        candidates.append(fingerprint("u", form))
+        candidates += [fingerprint("p", form[:n]) for n in self.prefix_lengths
+                       if n <= len(form)]
+        return self.entries.any_of(candidates)
 
 
 @dataclass
