@@ -206,6 +206,10 @@ class ClipConfig(ModelPoolConfig):
     top_fraction: float = Field(0.3, gt=0, le=1,
                                 description="keep this fraction of the highest scores")
     save_embeddings: bool = Field(False, description="write image embeddings per shard")
+    score: Literal["training", "original", "both"] = Field(
+        "training", description="recaption-first builds: the caption CLIP judges (the "
+        "training caption, the alt-text, or the training caption with the alt-text's score "
+        "recorded too); otherwise the training caption is the alt-text")
 
 
 class ImageTokenizerConfig(Strict):
@@ -442,11 +446,27 @@ class ProcessConfig(Strict):
                              "set clip.enabled (clip.mode: score_only scores without dropping)")
         return self
 
+    @model_validator(mode="after")
+    def _threshold_learned_before_recaption(self) -> ProcessConfig:
+        if (self.recaption_first() and self.clip.enabled and self.clip.mode == "top_fraction"
+                and self.clip.score != "original"):
+            raise ValueError(
+                "clip.mode top_fraction learns its cut in a pass before recaptioning, so it "
+                "can judge only the alt-text: with recaption on, set clip.score: original, or "
+                "clip.mode: threshold to judge the training caption")
+        return self
+
     def training_caption(self) -> str:
         """recaption, original or mix: what the tasks section asks, resolved."""
         if self.tasks.caption:
             return self.tasks.caption
         return "recaption" if self.recaption.enabled else "original"
+
+    def recaption_first(self) -> bool:
+        """Whether the training caption can come from the recaption: then no alt-text
+        ends a row; image checks run first, the caption checks and CLIP judge the
+        training caption after recaptioning (DESIGN.md section 1)."""
+        return self.recaption.enabled and self.training_caption() != "original"
 
 
 class CostConfig(Strict):

@@ -40,6 +40,7 @@ class Status(StrEnum):
     CAPTION_TOO_SHORT = "caption_too_short"
     CAPTION_TOO_LONG = "caption_too_long"
     CAPTION_LANGUAGE = "caption_language"
+    CAPTION_ABSTAINED = "caption_abstained"  # recaption-first: no caption at all
     LOW_CLIP_SCORE = "low_clip_score"
     UNSAFE = "unsafe"
     LOW_AESTHETIC = "low_aesthetic"
@@ -77,6 +78,8 @@ STATUS_HELP: dict[Status, str] = {
     Status.CAPTION_TOO_SHORT: "caption has fewer words/characters than the filter allows",
     Status.CAPTION_TOO_LONG: "caption has more words/characters than the filter allows",
     Status.CAPTION_LANGUAGE: "caption language not in the allowed set",
+    Status.CAPTION_ABSTAINED: "the captioner abstained on an image without usable alt-text "
+                              "(empty, a file name, boilerplate: caption_issue says which)",
     Status.LOW_CLIP_SCORE: "CLIP image-text similarity below the threshold",
     Status.UNSAFE: "an image classifier scored it unsafe (e.g. NSFW; process.classifiers)",
     Status.LOW_AESTHETIC: "an aesthetic classifier scored it below its drop_below",
@@ -90,6 +93,9 @@ RAW_COLUMNS: list[pa.Field] = [
     pa.field("key", pa.string()),
     pa.field("url", pa.string()),
     pa.field("caption", pa.string()),
+    # why the alt-text cannot train (download/alt_text.py: absent, empty, not_utf8,
+    # file_name, boilerplate), null when it can; absent in shards written before it
+    pa.field("caption_issue", pa.string()),
     pa.field("status", pa.string()),
     pa.field("error", pa.string()),
     pa.field("http_status", pa.int32()),
@@ -118,7 +124,8 @@ HASH_COLUMNS = ["key", "status", "sha256", "pixel_hash", "phash", "phash_mirror"
 # declare what they provide by name from here, so every column has one type everywhere.
 PROCESS_COLUMNS: dict[str, pa.DataType] = {
     "duplicate_of": pa.string(),  # the kept key, for duplicate_* rows
-    "clip_score": pa.float32(),
+    "clip_score": pa.float32(),  # the score CLIP judged (filters/clip.py: which caption)
+    "clip_score_original": pa.float32(),  # clip.score both: the alt-text's score as well
     "clip_embedding": pa.list_(pa.float32()),  # written to OUT/embeddings, not the parquet
     "recaption": pa.string(),
     "recaption_flags": pa.list_(pa.string()),
@@ -139,8 +146,8 @@ PER_SHARD_FILES = {"clip_embedding", "recaption_embedding"}
 # Step outputs that describe the whole shard: the writer moves them into its stats file.
 PER_SHARD_STATS = {"vocab_layout": "vocab"}
 # What the steps see of a raw row (plus its image); the writer has the rest.
-STEP_INPUT_COLUMNS = ["key", "caption", "status", "error", "image_format", "width", "height",
-                      "original_width", "original_height", "pixel_hash", "phash"]
+STEP_INPUT_COLUMNS = ["key", "caption", "caption_issue", "status", "error", "image_format",
+                      "width", "height", "original_width", "original_height", "pixel_hash", "phash"]
 # The fields of every sample's json in a training tar (DESIGN.md section 4).
 SAMPLE_FIELDS = ["key", "url", "caption", "width", "height", "original_width",
                  "original_height", "image_format", "sha256", "pixel_hash", "phash",

@@ -23,6 +23,7 @@ from typing import Any
 import fsspec
 
 from pairforge.config import PairforgeConfig
+from pairforge.download.alt_text import invalid_error, read_alt_text
 from pairforge.download.fetch import Fetcher, FetchResult
 from pairforge.download.imageproc import ImageFailure, ProcessedImage, process_image
 from pairforge.download.inputs import InputShard, read_shard_rows
@@ -35,19 +36,6 @@ from pairforge.shards.tar import iter_samples, split_member_name
 
 # Reports rows done by status; answers with the task slots this task may use (or None).
 ProgressFn = Callable[[Counter], "int | None"]
-
-
-def decode_caption(raw: bytes | None, required: bool) -> tuple[str | None, str | None]:
-    """(caption, error): a required caption must be non-empty valid UTF-8."""
-    if raw is None:
-        return None, ("missing caption" if required else None)
-    try:
-        text = raw.decode("utf-8").strip()
-    except UnicodeDecodeError as err:
-        return None, f"caption is not valid UTF-8 ({err.reason} at byte {err.start})"
-    if required and not text:
-        return None, "empty caption"
-    return text, None
 
 
 def _read_tar_members(sources: list[str], storage_options: dict[str, Any]) -> dict[str, bytes]:
@@ -78,6 +66,7 @@ class ShardDownloader:
                  lists: Lists | None = None):
         self.cfg, self.fetcher, self.lists = cfg, fetcher, lists
         self.caption_required = cfg.input.caption_col is not None
+        self.recaption_first = cfg.process.recaption_first()
         self.tar_bytes = tar_bytes  # images of rows that come from existing tars
         self.image_slots = threading.Semaphore(cfg.download.image_threads)
         self.image_capacity = cfg.download.image_threads
@@ -106,10 +95,11 @@ class ShardDownloader:
 
     def one(self, row: dict[str, Any]) -> tuple[dict[str, Any], ProcessedImage | None]:
         """The parquet record of one input row, and its image when it is ok."""
-        caption, caption_error = decode_caption(row.pop("caption"), self.caption_required)
+        alt = read_alt_text(row.pop("caption"))
         source = row.pop("source")
-        record: dict[str, Any] = {**row, "caption": caption, "status": Status.OK.value,
-                                  "error": None}
+        record: dict[str, Any] = {**row, "caption": alt.text, "caption_issue": alt.issue,
+                                  "status": Status.OK.value, "error": None}
+        caption_error = invalid_error(alt, self.caption_required, self.recaption_first)
         if caption_error:
             return {**record, "status": Status.CAPTION_INVALID.value,
                     "error": caption_error}, None

@@ -29,12 +29,23 @@ def detect_language(text: str) -> str:
 def check_row(cfg: BasicFilterConfig, caption: str | None, width: int,
               height: int) -> tuple[Status, str] | None:
     """The first failed rule as (status, detail), or None when the row passes."""
+    return check_image(cfg, width, height) or check_caption(cfg, caption)
+
+
+def check_image(cfg: BasicFilterConfig, width: int, height: int) -> tuple[Status, str] | None:
+    """The first failed image rule (size, shape) as (status, detail), or None."""
     short, long = sorted((width, height))
     if short < cfg.min_image_side:
         return Status.TOO_SMALL, f"smaller side {short} px < {cfg.min_image_side}"
     if short and long / short > cfg.max_aspect_ratio:
         return Status.BAD_ASPECT, f"aspect ratio {long / short:.2f} > {cfg.max_aspect_ratio}"
-    if caption is None:  # image-only rows (no caption column) have nothing to check
+    return None
+
+
+def check_caption(cfg: BasicFilterConfig, caption: str | None) -> tuple[Status, str] | None:
+    """The first failed caption rule (length, language) as (status, detail), or None;
+    None for no caption (image-only rows have nothing to check)."""
+    if caption is None:
         return None
     words, chars = len(caption.split()), len(caption)
     if words < cfg.min_caption_words or chars < cfg.min_caption_chars:
@@ -50,6 +61,10 @@ def check_row(cfg: BasicFilterConfig, caption: str | None, width: int,
 
 
 class BasicFilterStep(Step):
+    """The image rules, and the caption rules on the alt-text unless the build is
+    recaption-first: then the training-caption step applies them to every candidate
+    (recaption/choice.py), and the alt-text alone decides nothing."""
+
     name = "basic"
     requires = ("caption", "original_width", "original_height")
     provides: dict[str, pa.DataType] = {}
@@ -67,8 +82,10 @@ class BasicFilterStep(Step):
 
     def process(self, rows: pa.Table) -> StepResult:
         cfg = self.cfg.process.basic
+        captions = (rows["caption"].to_pylist() if not self.cfg.process.recaption_first()
+                    else [None] * rows.num_rows)
         failures = [check_row(cfg, c, w, h) for c, w, h in zip(
-            rows["caption"].to_pylist(), rows["original_width"].to_pylist(),
+            captions, rows["original_width"].to_pylist(),
             rows["original_height"].to_pylist(), strict=True)]
         return StepResult(status=[f[0].value if f else None for f in failures],
                           error=[f[1] if f else None for f in failures])

@@ -3,7 +3,15 @@
 Models load through open_clip's own functions: a model name plus a pretrained tag
 (``ViT-B-32`` / ``laion2b_s34b_b79k``) or a local checkpoint path, and optionally a model
 config JSON for architectures open_clip does not ship. The score is the cosine similarity
-of the image embedding and the original caption's text embedding (no logit scale).
+of the image embedding and a caption's text embedding (no logit scale).
+
+Which caption: in an alt-text-first build the alt-text, which is the training caption, and
+the clip step judges it before the costlier steps. In a recaption-first build
+(config.recaption_first) the clip step encodes every image early (classifiers, semantic
+dedup and the recaption step's grounding read the embeddings) and ``clip.score`` decides
+what is judged: ``original``, the usable alt-text, here; ``training`` (the default), the
+training caption, by ``clip_training`` after the choice, from the same image embedding;
+``both``, the training caption, with the alt-text's score kept in ``clip_score_original``.
 """
 
 from __future__ import annotations
@@ -110,8 +118,8 @@ class ClipStep(ScoringStep, ModelStep):
     ``threshold`` mode with it, reading the cached scores instead of scoring again."""
 
     name = "clip"
-    requires = ("image", "caption")
-    provides = process_columns("clip_score", "clip_embedding")
+    requires = ("image", "caption", "caption_issue")
+    provides = process_columns("clip_score", "clip_score_original", "clip_embedding")
     ends = (Status.LOW_CLIP_SCORE,)
     score_column = "clip_score"
     embedding_column = "clip_embedding"
@@ -197,19 +205,36 @@ class ClipStep(ScoringStep, ModelStep):
         self.clip_cfg = cfg.process.clip
         self.scorer = ClipScorer(self.clip_cfg, model_device(self.clip_cfg))
         self.for_heads = read_by_heads(cfg)
+        self.recaption_first = cfg.process.recaption_first()
+        judged = self.clip_cfg.score if self.recaption_first else "original"
+        self.judges = judged == "original"  # else clip_training judges, later
+        self.scores = judged in ("original", "both")  # the alt-text, here
+        self.score_column_here = "clip_score" if self.judges else "clip_score_original"
+        self.keeps_for_later = not self.judges
+
+    def _texts(self, rows: pa.Table) -> list[str | None]:
+        """The caption scored here per row: the alt-text (recaption-first: a usable one)."""
+        if not self.scores:
+            return [None] * rows.num_rows
+        captions = rows["caption"].to_pylist()
+        if not self.recaption_first:
+            return captions
+        return [c if issue is None else None
+                for c, issue in zip(captions, rows["caption_issue"].to_pylist(), strict=True)]
 
     def process(self, rows: pa.Table) -> StepResult:
-        captions = rows["caption"].to_pylist()
-        cached = _cached(rows, "clip_score")
+        captions = self._texts(rows)
+        cached = _cached(rows, self.score_column_here)
         todo = [i for i, (c, s) in enumerate(zip(captions, cached, strict=True))
                 if c is not None and s is None]
         # clip-head classifiers read every row's image embedding (also rows without a
         # caption), so they never encode an image again; the scoring pass's are reused
-        keep = self.clip_cfg.save_embeddings or self.for_heads
+        keep = self.clip_cfg.save_embeddings or self.for_heads or self.keeps_for_later
         embeddings: list[list[float] | None] = (_cached(rows, "clip_embedding") if keep
                                                 else [None] * rows.num_rows)
         scored_now = set(todo)
-        want = range(rows.num_rows) if self.for_heads else todo
+        every = self.for_heads or self.keeps_for_later
+        want = range(rows.num_rows) if every else todo
         encode = [i for i in want if i in scored_now or embeddings[i] is None]
         scores: list[float | None] = list(cached)
         if encode:
@@ -224,14 +249,66 @@ class ClipStep(ScoringStep, ModelStep):
             if keep:
                 for i in encode:
                     embeddings[i] = image_emb[at[i]].tolist()
-        return StepResult(columns={"clip_score": scores, "clip_embedding": embeddings},
-                          **self._decisions(scores))
+        return StepResult(columns={self.score_column_here: scores,
+                                   "clip_embedding": embeddings},
+                          **(clip_decisions(self.clip_cfg, scores) if self.judges else {}))
 
-    def _decisions(self, scores: list[float | None]) -> dict[str, list]:
-        if self.clip_cfg.mode != "threshold":
-            return {}
-        threshold = self.clip_cfg.threshold
-        low = [s is not None and s < threshold for s in scores]
-        return {"status": [Status.LOW_CLIP_SCORE.value if x else None for x in low],
-                "error": [f"clip_score {s:.4f} < {threshold}" if x else None
-                          for s, x in zip(scores, low, strict=True)]}
+
+def clip_decisions(clip: ClipConfig, scores: list[float | None]) -> dict[str, list]:
+    """In threshold mode, the rows whose score is below it end ``low_clip_score``."""
+    if clip.mode != "threshold":
+        return {}
+    low = [s is not None and s < clip.threshold for s in scores]
+    return {"status": [Status.LOW_CLIP_SCORE.value if x else None for x in low],
+            "error": [f"clip_score {s:.4f} < {clip.threshold}" if x else None
+                      for s, x in zip(scores, low, strict=True)]}
+
+
+class ClipTrainingStep(ModelStep):
+    """Recaption-first builds: CLIP judges the training caption, once it is chosen, against
+    the image embedding the clip step made (encoded here only where none came)."""
+
+    name = "clip_training"
+    requires = ("image", "train_caption")
+    provides = process_columns("clip_score")
+    ends = (Status.LOW_CLIP_SCORE,)
+
+    @classmethod
+    def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
+        return cfg.process.clip
+
+    @classmethod
+    def enabled(cls, cfg: PairforgeConfig) -> bool:
+        clip = cfg.process.clip
+        return clip.enabled and cfg.process.recaption_first() and clip.score != "original"
+
+    @classmethod
+    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+        # the clip step records the section's settings; this step adds no others
+        return Requirements(display=cfg.process.clip.model, sources=(clip_source(cfg),))
+
+    def __init__(self, cfg: PairforgeConfig) -> None:
+        super().__init__(cfg)
+        self.clip_cfg = cfg.process.clip
+        self.scorer = ClipScorer(self.clip_cfg, model_device(self.clip_cfg))
+
+    def process(self, rows: pa.Table) -> StepResult:
+        captions = rows["train_caption"].to_pylist()
+        todo = [i for i, c in enumerate(captions) if c is not None]
+        scores: list[float | None] = [None] * rows.num_rows
+        if todo:
+            image_emb = self._image_embeddings(rows, todo)
+            text_emb = self.scorer.embed_texts([captions[i] for i in todo])
+            for i, sim in zip(todo, (image_emb * text_emb).sum(axis=1), strict=True):
+                scores[i] = float(sim)
+        return StepResult(columns={"clip_score": scores},
+                          **clip_decisions(self.clip_cfg, scores))
+
+    def _image_embeddings(self, rows: pa.Table, todo: list[int]) -> np.ndarray:
+        kept = _cached(rows, "clip_embedding")
+        missing = [i for i in todo if kept[i] is None]
+        if missing:
+            images = [decode_rgb(b) for b in rows["image"].take(missing).to_pylist()]
+            for i, vector in zip(missing, self.scorer.embed_images(images), strict=True):
+                kept[i] = vector
+        return np.asarray([kept[i] for i in todo], dtype=np.float32)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pairforge.config import PairforgeConfig
 from pairforge.filters.basic import BasicFilterStep
 from pairforge.filters.classify import classifier_steps
-from pairforge.filters.clip import ClipStep
+from pairforge.filters.clip import ClipStep, ClipTrainingStep
 from pairforge.recaption.choice import TrainingCaptionStep
 from pairforge.recaption.step import RecaptionStep
 from pairforge.stage import Step
@@ -28,6 +28,8 @@ def stage_steps(cfg: PairforgeConfig) -> list[type[Step]]:
         *classifier_steps(cfg),
         RecaptionStep,
         TrainingCaptionStep,
+        # recaption-first builds: CLIP judges the training caption once it is chosen
+        ClipTrainingStep,
         TokenizeStep,
     ]
 

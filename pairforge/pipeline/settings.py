@@ -56,6 +56,10 @@ ADDED_SETTINGS: dict[str, Any] = {
     "dedup.semantic.sample_rows": 131_072,
     "download.opt_out_lists": [],
     "download.block_lists": [],
+    # issue 35: a recaption-first build keeps rows without usable alt-text in stage 1 and
+    # judges captions after recaptioning in stage 3; clip.score matters only there
+    "process.recaption_first": False,
+    "process.clip.score": "training",
 }
 _SAMPLE_BYTES = 1 << 20  # a model file is fingerprinted by its size and its ends
 
@@ -90,7 +94,8 @@ def stage_settings(cfg: PairforgeConfig, stage: str) -> dict[str, Any]:
 
 
 def _stage_settings(cfg: PairforgeConfig, stage: str) -> dict[str, Any]:
-    values: dict[str, Any] = {"output_version": OUTPUT_VERSIONS[stage]}
+    values: dict[str, Any] = {"output_version": OUTPUT_VERSIONS[stage],
+                              "process.recaption_first": cfg.process.recaption_first()}
     if stage == "download":
         for section, speed in DOWNLOAD_SECTIONS.items():
             values.update(setting_values(getattr(cfg, section), f"{section}.", speed))

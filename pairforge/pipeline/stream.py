@@ -24,7 +24,7 @@ from pairforge.pipeline.placement import TASK_CPUS, add_steps, fit_actor_cpus
 from pairforge.pipeline.plan import ShardPlan
 from pairforge.pipeline.progress import StageDisplay
 from pairforge.pipeline.ray_runtime import quiet_ray_data
-from pairforge.records import STEP_INPUT_COLUMNS, Status
+from pairforge.records import RAW_COLUMNS, STEP_INPUT_COLUMNS, Status
 from pairforge.shards.raw import shard_name
 from pairforge.shards.storage import RAW_FOLDER, SCORES_FOLDER, OutputDir
 from pairforge.shards.training import read_embeddings, read_raw_images
@@ -36,8 +36,17 @@ Writer = Callable[[PairforgeConfig, ShardPlan, pa.Table, dict[str, Any], list[ty
 
 
 def read_raw(out: OutputDir, shard_id: int, columns: list[str] | None = None) -> pa.Table:
+    """A raw shard's parquet (``columns``: those only); a raw column added after the shard
+    was written comes as nulls."""
     with out.fs.open(out.path(RAW_FOLDER, f"{shard_name(shard_id)}.parquet"), "rb") as f:
-        return pq.read_table(f, columns=columns)
+        parquet = pq.ParquetFile(f)
+        present = set(parquet.schema_arrow.names)
+        table = parquet.read(columns=None if columns is None
+                             else [c for c in columns if c in present])
+    for field in RAW_COLUMNS:
+        if field.name not in table.column_names and (columns is None or field.name in columns):
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+    return table if columns is None else table.select(columns)
 
 
 def scored_shards(out: OutputDir) -> list[int]:

@@ -129,7 +129,10 @@ def recaption_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "regenerated": rows_flagged("regenerated:"),
             "flags": dict(sorted(flags.items())),
             "caption_source": dict(sorted(Counter(
-                r.get("caption_source") or "none" for r in done).items()))}
+                r.get("caption_source") or "none" for r in done).items())),
+            # kept rows whose alt-text could not train (caption_issue): recaptioning's rescue
+            "rescued": sum(r["status"] == "ok" and r.get("caption_issue") is not None
+                           and r.get("caption_source") == "recaption" for r in done)}
 
 
 class RecaptionStep(ModelStep):

@@ -127,6 +127,12 @@ def _funnel(manifest: dict[str, Any]) -> str:
     final, total = manifest["funnel"]["final"], manifest["funnel"]["input_rows"]
     ordered = sorted(final.items(), key=lambda kv: (kv[0] != Status.OK, -kv[1], kv[0]))
     rows = [[k, v, f"{v / max(total, 1):.1%}", STATUS_HELP.get(k, "")] for k, v in ordered]
+    rescued = (manifest.get("recaption") or {}).get("rescued")
+    if rescued:  # a part of ok, shown under it
+        rows.insert(1, ["  of which: no usable alt-text, recaptioned", rescued,
+                        f"{rescued / max(total, 1):.1%}",
+                        "kept because recaptioning gave the image the caption its alt-text "
+                        "could not (caption_issue: empty, file name, boilerplate...)"])
     rows.append(["total", sum(final.values()), "", ""])
     table = _table(["status", "rows", "share", "meaning"], rows, numeric=(1, 2))
     chart = _img(plots.funnel_chart(final, total), "funnel chart") if final else ""
