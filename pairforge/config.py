@@ -323,10 +323,19 @@ class RecaptionConfig(ModelPoolConfig):
                        description="hub id or local folder (transformers); served name (openai)")
     revision: str | None = None
     prompt: str | None = Field(None, description="default: recaption.prompts.DEFAULT_PROMPT")
+    second_prompt: str | None = Field(
+        None, description="a second recaption per image under another instruction (e.g. "
+        "one short sentence vs a detailed description): column recaption_2, a candidate of "
+        "tasks.caption best")
     prompt_mode: Literal["auto", "chat", "prefix", "none"] = Field(
         "auto", description="auto: the chat template when the processor has one, else none; "
         "prefix: the prompt as a text prefix (BLIP-style); none: unconditional captioning")
     max_new_tokens: int = Field(48, gt=0)
+    input_resolution: int | None = Field(
+        None, gt=0, description="the image side the captioner sees (its cost dial: image "
+        "tokens dominate a VLM captioner's cost); null: the processor's own. transformers: "
+        "the processor's size (fixed-size encoders interpolate their position embeddings; "
+        "longest_edge for Idefics3/SmolVLM); openai: images are downscaled to fit")
     temperature: float = Field(0.0, ge=0, le=1, description="0: greedy decoding")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: float32 on CPU, bfloat16 on GPU")
@@ -361,9 +370,10 @@ class TasksConfig(Strict):
 
     p_drop: float = Field(0.1, ge=0, le=1, description="caption-drop rate the i2t share replaces")
     seed: int = Field(0, description="seeds each shard's start offset and the caption mix")
-    caption: Literal["recaption", "original", "mix"] | None = Field(
+    caption: Literal["recaption", "original", "mix", "best"] | None = Field(
         None, description="the training caption; default: recaption when the recaption step "
-        "runs, else original")
+        "runs, else original; best: the candidate (alt-text, recaption, recaption_2) CLIP "
+        "scores highest for the image")
     recaption_share: float = Field(0.95, ge=0, le=1,
                                    description="mix: share of samples trained on the recaption")
 
@@ -424,8 +434,11 @@ class ProcessConfig(Strict):
 
     @model_validator(mode="after")
     def _caption_source_exists(self) -> ProcessConfig:
-        if self.tasks.caption in ("recaption", "mix") and not self.recaption.enabled:
+        if self.tasks.caption in ("recaption", "mix", "best") and not self.recaption.enabled:
             raise ValueError(f"tasks.caption={self.tasks.caption} needs recaption.enabled")
+        if self.tasks.caption == "best" and not self.clip.enabled:
+            raise ValueError("tasks.caption=best ranks the captions by CLIP score: set "
+                             "clip.enabled (clip.mode: score_only scores without dropping)")
         return self
 
     @model_validator(mode="after")

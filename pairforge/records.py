@@ -131,6 +131,14 @@ PROCESS_COLUMNS: dict[str, pa.DataType] = {
     "recaption_flags": pa.list_(pa.string()),
     "recaption_origin": pa.string(),  # model, build (another row's) or cache
     "recaption_embedding": pa.list_(pa.float32()),  # the cache's embedding tier, not written
+    # recaption.second_prompt: the same four for the second instruction
+    "recaption_2": pa.string(),
+    "recaption_2_flags": pa.list_(pa.string()),
+    "recaption_2_origin": pa.string(),
+    "recaption_2_embedding": pa.list_(pa.float32()),
+    # recaption-first builds: CLIP's score of each candidate caption (filters/clip.py)
+    "clip_score_recaption": pa.float32(),
+    "clip_score_recaption_2": pa.float32(),
     "caption_source": pa.string(),  # recaption or original: which caption trains
     "train_caption": pa.string(),  # the one training caption (recaption/choice.py)
     "image_tokens": pa.list_(pa.int32()),
@@ -142,7 +150,7 @@ PROCESS_COLUMNS: dict[str, pa.DataType] = {
     "vocab_layout": pa.string(),  # the tokenize step's layout (json), into the shard stats
 }
 # Step outputs written to their own per-shard files rather than the parquet.
-PER_SHARD_FILES = {"clip_embedding", "recaption_embedding"}
+PER_SHARD_FILES = {"clip_embedding", "recaption_embedding", "recaption_2_embedding"}
 # Step outputs that describe the whole shard: the writer moves them into its stats file.
 PER_SHARD_STATS = {"vocab_layout": "vocab"}
 # What the steps see of a raw row (plus its image); the writer has the rest.

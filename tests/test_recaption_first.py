@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -27,7 +28,7 @@ from pairforge.download.alt_text import (
     junk_kind,
     read_alt_text,
 )
-from pairforge.filters.clip import ClipScorer, ClipStep, ClipTrainingStep
+from pairforge.filters.clip import ClipCandidatesStep, ClipScorer, ClipStep, ClipTrainingStep
 from pairforge.images import decode_rgb
 from pairforge.recaption.choice import Choice, TrainingCaptionStep, recaption_first_choice
 from pairforge.records import Status
@@ -99,18 +100,19 @@ RULES = BasicFilterConfig(min_caption_words=2, min_caption_chars=5)
             error="the captioner abstained and the alt-text is empty")),
 ])
 def test_the_recaption_first_choice(choice, original, issue, recaption, expected) -> None:
-    assert recaption_first_choice(choice, 1.0, 0, "000000001", original, issue, recaption,
+    candidates = {"recaption": recaption, "original": original}
+    assert recaption_first_choice(choice, 1.0, 0, "000000001", candidates, issue,
                                   RULES) == expected
 
 
 def test_mix_tries_its_draw_first_then_the_other() -> None:
     keys = [f"{i:09d}" for i in range(400)]
-    drawn = [recaption_first_choice("mix", 0.5, 3, k, "a red ball", None, "a blue cube",
-                                    RULES).source for k in keys]
+    both = {"recaption": "a blue cube", "original": "a red ball"}
+    drawn = [recaption_first_choice("mix", 0.5, 3, k, both, None, RULES).source for k in keys]
     assert 150 < drawn.count("original") < 250  # the seeded draw, both sources used
     # where the draw is the alt-text but it is junk, the recaption trains: no row is lost
-    junk = [recaption_first_choice("mix", 0.5, 3, k, "IMG_1.jpg", "file_name", "a blue cube",
-                                   RULES).source for k in keys]
+    junk = [recaption_first_choice("mix", 0.5, 3, k, {**both, "original": "IMG_1.jpg"},
+                                   "file_name", RULES).source for k in keys]
     assert junk == ["recaption"] * len(keys)
 
 
@@ -136,30 +138,40 @@ def _png(image) -> bytes:  # noqa: ANN001
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("score", ["training", "both", "original"])
-def test_clip_judges_the_caption_clip_score_names(tmp_path: Path, score: str) -> None:
+@pytest.mark.parametrize(("score", "choice"), [("training", "recaption"), ("both", "recaption"),
+                                               ("original", "recaption"), ("training", "best"),
+                                               ("original", "best")])
+def test_clip_judges_the_caption_clip_score_names(tmp_path: Path, score: str,
+                                                  choice: str) -> None:
     """The clip steps' scores are the bare open_clip cosine of the image and the caption
-    clip.score names, computed in a plain loop with the same model."""
+    clip.score names, computed in a plain loop with the same model; ``best`` trains on the
+    argmax of those scores over the candidates the caption rules pass."""
     clip = tiny_clip(tmp_path / "clip")
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({
         "input": {"path": "in.csv"}, "output": {"path": "out"},
         "process": {"clip": {"enabled": True, "threshold": -1.0, "score": score, **clip},
-                    "recaption": {"enabled": True, "model": str(SAMPLE / "captioner")}}}))
+                    "recaption": {"enabled": True, "model": str(SAMPLE / "captioner"),
+                                  "second_prompt": "Describe the image in detail."},
+                    "tasks": {"caption": choice}}}))
     cfg = load_config(config)
     drawn = scenes(6)
     images = [_png(render(s, 32)) for s in drawn]
-    recaptions = ["a large red circle", None, "a small blue cross", "two green squares",
-                  "a purple cross", "a white circle"]
+    candidates = {
+        "recaption": ["a large red circle", None, "a small blue cross", "two green squares",
+                      "a purple cross", "a white circle"],
+        "recaption_2": ["a red circle on grey", "a square at the top", None,
+                        "two squares side by side", "a cross on black", "circle"],
+        "original": ["a red circle", "a square", "IMG_3.jpg", None, "one shape", "blue"]}
     rows = pa.table({
         "key": [f"{i:09d}" for i in range(6)], "image": images,
-        "caption": ["a red circle", "a square", "IMG_3.jpg", None, "one shape", "blue"],
+        "caption": candidates["original"],
         "caption_issue": [None, None, "file_name", "empty", None, None],
-        "status": ["ok"] * 6, "error": [None] * 6, "recaption": recaptions})
-    rows = ClipStep(cfg)(rows)
-    rows = TrainingCaptionStep(cfg)(rows)
-    if ClipTrainingStep.enabled(cfg):
-        rows = ClipTrainingStep(cfg)(rows)
+        "status": ["ok"] * 6, "error": [None] * 6,
+        "recaption": candidates["recaption"], "recaption_2": candidates["recaption_2"]})
+    for step in (ClipStep, ClipCandidatesStep, TrainingCaptionStep, ClipTrainingStep):
+        if step.enabled(cfg):
+            rows = step(cfg)(rows)
     scorer = ClipScorer(cfg.process.clip)
 
     def bare(texts: list[str | None]) -> list[float | None]:
@@ -173,28 +185,49 @@ def test_clip_judges_the_caption_clip_score_names(tmp_path: Path, score: str) ->
         return out
 
     usable = ["a red circle", "a square", None, None, "one shape", "blue"]
+    sources = rows["caption_source"].to_pylist()
+    if choice == "best":  # the argmax of the bare scores over the candidates the rules pass
+        scores = {"recaption": bare(candidates["recaption"]),
+                  "recaption_2": bare(candidates["recaption_2"]), "original": bare(usable)}
+        texts = {**candidates, "original": usable}
+        expected = []
+        for i in range(6):
+            passing = {s: scores[s][i] for s in scores if texts[s][i] is not None
+                       and len(texts[s][i].split()) >= 2 and len(texts[s][i]) >= 5}
+            expected.append(max(passing, key=passing.get))
+        assert sources == expected
+        assert len(set(expected)) >= 2  # not one source throughout: the scores decided
+    else:  # row 1: the recaption abstained on an image with usable alt-text: an img sample
+        assert sources == ["recaption", None, "recaption", "recaption", "recaption",
+                           "recaption"]
     train = rows["train_caption"].to_pylist()
-    judged = {"training": bare(train), "both": bare(train), "original": bare(usable)}[score]
+    judged = bare(usable) if score == "original" else bare(train)
     np.testing.assert_allclose(np.array(rows["clip_score"].to_pylist(), dtype=float),
                                np.array(judged, dtype=float), atol=1e-5)
-    originals = bare(usable) if score == "both" else [None] * 6
-    np.testing.assert_allclose(np.array(rows["clip_score_original"].to_pylist(), dtype=float),
+    recorded = score == "both" or choice == "best"
+    originals = bare(usable) if recorded else [None] * 6
+    np.testing.assert_allclose(np.array(_or_nulls(rows, "clip_score_original"), dtype=float),
                                np.array(originals, dtype=float), atol=1e-5)
-    # row 1: the recaption abstained on an image with usable alt-text: an img sample
-    assert rows["caption_source"].to_pylist() == ["recaption", None, "recaption",
-                                                  "recaption", "recaption", "recaption"]
 
 
-def _junk_alt_text_build(tmp_path: Path, recaption: bool) -> Path:
-    """200 scene-world images over loopback; alt-text half empty, half camera file names;
-    the demo's captioner, tokenizer and p_drop."""
+def _or_nulls(rows: pa.Table, column: str) -> list:
+    return rows[column].to_pylist() if column in rows.column_names else [None] * rows.num_rows
+
+
+def _junk_alt_text_build(tmp_path: Path, recaption: bool, n: int = 200,
+                         alt_text: Any = None, process_settings: dict | None = None) -> Path:
+    """``n`` scene-world images over loopback; alt-text (``alt_text(i, scene)``) half empty,
+    half camera file names by default; the demo's captioner, tokenizer and p_drop, and
+    ``process_settings``."""
     folder = tmp_path / "images"
     folder.mkdir()
-    for i, s in enumerate(scenes(200)):
+    drawn = scenes(n)
+    for i, s in enumerate(drawn):
         render(s, 32).save(folder / f"scene_{i:03d}.png")
+    alt_text = alt_text or (lambda i, s: "" if i % 2 else f"IMG_{i:04d}.jpg")
     with LoopbackServer(folder) as server:
-        lines = [f"{server.url(f'/img/scene_{i:03d}.png')},{'' if i % 2 else f'IMG_{i:04d}.jpg'}"
-                 for i in range(200)]
+        lines = [f"{server.url(f'/img/scene_{i:03d}.png')},{alt_text(i, s)}"
+                 for i, s in enumerate(drawn)]
         (tmp_path / "in.csv").write_text("url,caption\n" + "\n".join(lines) + "\n")
         demo = yaml.safe_load((SAMPLE.parents[1] / "examples" / "demo.yaml").read_text())
         process = demo["process"]
@@ -203,6 +236,8 @@ def _junk_alt_text_build(tmp_path: Path, recaption: bool) -> Path:
             tokenizer = process["tokenize"][section]
             tokenizer["path_or_id"] = str(SAMPLE.parents[1] / tokenizer["path_or_id"])
         process["recaption"]["model"] = str(SAMPLE / "captioner")
+        for section, values in (process_settings or {}).items():
+            process.setdefault(section, {}).update(values)
         cfg = {**demo, "input": {"path": str(tmp_path / "in.csv"), "shard_size": 100},
                "output": {"path": str(tmp_path / "out")},
                "ray": {"num_cpus": 2, "object_store_memory": 200 * 1024**2},
@@ -237,6 +272,35 @@ def test_a_recaptioning_build_keeps_every_image_whose_alt_text_is_junk(tmp_path:
     tars = sorted(str(p) for p in (out / "shards").glob("*.tar"))
     texts = {s["__key__"]: s["txt"].decode() for s in wds.WebDataset(tars, shardshuffle=False)}
     assert texts == {r["key"]: r["train_caption"] for r in kept}
+
+
+def test_best_of_two_prompts_and_the_alt_text_through_a_build(tmp_path: Path) -> None:
+    """A second prompt's recaption and ``best`` through a real build: every row's training
+    caption is the passing candidate with the highest CLIP score, and the manifest counts
+    which caption trained how many samples."""
+    clip = tiny_clip(tmp_path / "clip")
+    out = _junk_alt_text_build(
+        tmp_path, True, n=40, alt_text=lambda i, s: s.sentence if i % 4 else "image",
+        process_settings={"clip": {"enabled": True, "threshold": -1.0, **clip},
+                          "recaption": {"second_prompt": "a picture of"},
+                          "tasks": {"caption": "best"}})
+    rows = _rows(out)
+    kept = [r for r in rows if r["status"] == "ok"]
+    assert len(kept) == 40 and all(r["recaption_2_origin"] for r in kept)
+    for r in kept:
+        texts = {"recaption": r["recaption"], "recaption_2": r["recaption_2"],
+                 "original": r["caption"] if r["caption_issue"] is None else None}
+        scores = {s: r[f"clip_score_{s}"] for s, t in texts.items() if t is not None}
+        assert r["caption_source"] == max(scores, key=scores.get)
+        assert r["train_caption"] == texts[r["caption_source"]]
+        assert r["clip_score"] == scores[r["caption_source"]]
+    manifest = json.loads((out / "manifest.json").read_text())
+    trained = manifest["training_caption"]["samples_by_caption"]
+    assert sum(trained.values()) == manifest["totals"]["samples"] == 40
+    assert trained == {s: sum(r["caption_source"] == s for r in kept) for s in trained}
+    assert manifest["recaption_2"]["rows"] == 40
+    # each prompt has its own cache identity
+    assert len(list((out / "recaption_cache").iterdir())) == 2
 
 
 def test_without_recaption_junk_alt_text_ends_rows_as_before(tmp_path: Path) -> None:

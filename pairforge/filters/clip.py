@@ -9,9 +9,12 @@ Which caption: in an alt-text-first build the alt-text, which is the training ca
 the clip step judges it before the costlier steps. In a recaption-first build
 (config.recaption_first) the clip step encodes every image early (classifiers, semantic
 dedup and the recaption step's grounding read the embeddings) and ``clip.score`` decides
-what is judged: ``original``, the usable alt-text, here; ``training`` (the default), the
-training caption, by ``clip_training`` after the choice, from the same image embedding;
-``both``, the training caption, with the alt-text's score kept in ``clip_score_original``.
+what is judged: ``original``, the usable alt-text, here; ``training`` (the default) or
+``both``, the training caption: after recaptioning, ``clip_candidates`` scores each caption
+that may train (``clip_score_original``, ``clip_score_recaption``,
+``clip_score_recaption_2``; ``both`` adds the alt-text when it cannot train, ``tasks.caption:
+best`` ranks them all) from the same image embedding, and after the choice
+``clip_training`` judges the chosen one's score.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pairforge.stage import (
     Requirements,
     ScoreMap,
     ScoringStep,
+    Step,
     StepResult,
     setting_values,
 )
@@ -119,7 +123,7 @@ class ClipStep(ScoringStep, ModelStep):
 
     name = "clip"
     requires = ("image", "caption", "caption_issue")
-    provides = process_columns("clip_score", "clip_score_original", "clip_embedding")
+    provides = process_columns("clip_score", "clip_embedding")
     ends = (Status.LOW_CLIP_SCORE,)
     score_column = "clip_score"
     embedding_column = "clip_embedding"
@@ -206,15 +210,13 @@ class ClipStep(ScoringStep, ModelStep):
         self.scorer = ClipScorer(self.clip_cfg, model_device(self.clip_cfg))
         self.for_heads = read_by_heads(cfg)
         self.recaption_first = cfg.process.recaption_first()
-        judged = self.clip_cfg.score if self.recaption_first else "original"
-        self.judges = judged == "original"  # else clip_training judges, later
-        self.scores = judged in ("original", "both")  # the alt-text, here
-        self.score_column_here = "clip_score" if self.judges else "clip_score_original"
-        self.keeps_for_later = not self.judges
+        # else clip_training judges the training caption, later, from this embedding
+        self.judges = not self.recaption_first or self.clip_cfg.score == "original"
+        self.keeps_for_later = self.recaption_first
 
     def _texts(self, rows: pa.Table) -> list[str | None]:
         """The caption scored here per row: the alt-text (recaption-first: a usable one)."""
-        if not self.scores:
+        if not self.judges:
             return [None] * rows.num_rows
         captions = rows["caption"].to_pylist()
         if not self.recaption_first:
@@ -224,7 +226,7 @@ class ClipStep(ScoringStep, ModelStep):
 
     def process(self, rows: pa.Table) -> StepResult:
         captions = self._texts(rows)
-        cached = _cached(rows, self.score_column_here)
+        cached = _cached(rows, "clip_score")
         todo = [i for i, (c, s) in enumerate(zip(captions, cached, strict=True))
                 if c is not None and s is None]
         # clip-head classifiers read every row's image embedding (also rows without a
@@ -249,8 +251,7 @@ class ClipStep(ScoringStep, ModelStep):
             if keep:
                 for i in encode:
                     embeddings[i] = image_emb[at[i]].tolist()
-        return StepResult(columns={self.score_column_here: scores,
-                                   "clip_embedding": embeddings},
+        return StepResult(columns={"clip_score": scores, "clip_embedding": embeddings},
                           **(clip_decisions(self.clip_cfg, scores) if self.judges else {}))
 
 
@@ -264,14 +265,29 @@ def clip_decisions(clip: ClipConfig, scores: list[float | None]) -> dict[str, li
                       for s, x in zip(scores, low, strict=True)]}
 
 
-class ClipTrainingStep(ModelStep):
-    """Recaption-first builds: CLIP judges the training caption, once it is chosen, against
-    the image embedding the clip step made (encoded here only where none came)."""
+CANDIDATES = ("recaption", "recaption_2", "original")  # caption_source values, tie order
 
-    name = "clip_training"
-    requires = ("image", "train_caption")
-    provides = process_columns("clip_score")
-    ends = (Status.LOW_CLIP_SCORE,)
+
+def scored_candidates(cfg: PairforgeConfig) -> tuple[str, ...]:
+    """The candidate captions clip_candidates scores: those that may train under
+    ``tasks.caption`` (best: every one), and the alt-text with ``clip.score: both``."""
+    choice = cfg.process.training_caption()
+    sources = {"recaption": ("recaption",), "mix": ("recaption", "original"),
+               "best": CANDIDATES}.get(choice, ())
+    if cfg.process.clip.score == "both":
+        sources = (*sources, "original")
+    return tuple(s for s in CANDIDATES if s in sources)
+
+
+class ClipCandidatesStep(ModelStep):
+    """Recaption-first builds: CLIP's score of each candidate caption of an image (the
+    usable alt-text, the recaption, the second prompt's), from the clip step's image
+    embedding (encoded here only where none came), before the training caption is chosen."""
+
+    name = "clip_candidates"
+    requires = ("image", "caption", "caption_issue")
+    provides = process_columns("clip_score_original", "clip_score_recaption",
+                               "clip_score_recaption_2")
 
     @classmethod
     def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
@@ -279,36 +295,69 @@ class ClipTrainingStep(ModelStep):
 
     @classmethod
     def enabled(cls, cfg: PairforgeConfig) -> bool:
-        clip = cfg.process.clip
-        return clip.enabled and cfg.process.recaption_first() and clip.score != "original"
+        return (cfg.process.clip.enabled and cfg.process.recaption_first()
+                and bool(scored_candidates(cfg)) and (cfg.process.clip.score != "original"
+                                                      or cfg.process.training_caption() == "best"))
 
     @classmethod
     def requirements(cls, cfg: PairforgeConfig) -> Requirements:
-        # the clip step records the section's settings; this step adds no others
-        return Requirements(display=cfg.process.clip.model, sources=(clip_source(cfg),))
+        # the clip step records the section's settings and its model; this adds none
+        return Requirements(display=cfg.process.clip.model)
 
     def __init__(self, cfg: PairforgeConfig) -> None:
         super().__init__(cfg)
         self.clip_cfg = cfg.process.clip
         self.scorer = ClipScorer(self.clip_cfg, model_device(self.clip_cfg))
+        self.sources = scored_candidates(cfg)
+
+    def _texts(self, rows: pa.Table, source: str) -> list[str | None]:
+        if source == "original":
+            return [c if issue is None else None for c, issue in zip(
+                rows["caption"].to_pylist(), rows["caption_issue"].to_pylist(), strict=True)]
+        return _cached(rows, source)
 
     def process(self, rows: pa.Table) -> StepResult:
-        captions = rows["train_caption"].to_pylist()
-        todo = [i for i, c in enumerate(captions) if c is not None]
-        scores: list[float | None] = [None] * rows.num_rows
-        if todo:
-            image_emb = self._image_embeddings(rows, todo)
-            text_emb = self.scorer.embed_texts([captions[i] for i in todo])
-            for i, sim in zip(todo, (image_emb * text_emb).sum(axis=1), strict=True):
-                scores[i] = float(sim)
-        return StepResult(columns={"clip_score": scores},
-                          **clip_decisions(self.clip_cfg, scores))
+        texts = {source: self._texts(rows, source) for source in self.sources}
+        wanted = [i for i in range(rows.num_rows) if any(t[i] for t in texts.values())]
+        image_emb = dict(zip(wanted, self._image_embeddings(rows, wanted), strict=True))
+        columns = {}
+        for source, captions in texts.items():
+            todo = [i for i in wanted if captions[i] is not None]
+            scores: list[float | None] = [None] * rows.num_rows
+            if todo:
+                text_emb = self.scorer.embed_texts([captions[i] for i in todo])
+                for i, vector in zip(todo, text_emb, strict=True):
+                    scores[i] = float(np.dot(image_emb[i], vector))
+            columns[f"clip_score_{source}"] = scores
+        return StepResult(columns=columns)
 
-    def _image_embeddings(self, rows: pa.Table, todo: list[int]) -> np.ndarray:
+    def _image_embeddings(self, rows: pa.Table, todo: list[int]) -> list[np.ndarray]:
         kept = _cached(rows, "clip_embedding")
         missing = [i for i in todo if kept[i] is None]
         if missing:
             images = [decode_rgb(b) for b in rows["image"].take(missing).to_pylist()]
             for i, vector in zip(missing, self.scorer.embed_images(images), strict=True):
                 kept[i] = vector
-        return np.asarray([kept[i] for i in todo], dtype=np.float32)
+        return [np.asarray(kept[i], dtype=np.float32) for i in todo]
+
+
+class ClipTrainingStep(Step):
+    """Recaption-first builds with ``clip.score`` training or both: once the training
+    caption is chosen, its score (clip_candidates') is ``clip_score``, judged here."""
+
+    name = "clip_training"
+    requires = ("caption_source",)
+    provides = process_columns("clip_score")
+    ends = (Status.LOW_CLIP_SCORE,)
+
+    @classmethod
+    def enabled(cls, cfg: PairforgeConfig) -> bool:
+        clip = cfg.process.clip
+        return clip.enabled and cfg.process.recaption_first() and clip.score != "original"
+
+    def process(self, rows: pa.Table) -> StepResult:
+        by_source = {s: _cached(rows, f"clip_score_{s}") for s in CANDIDATES}
+        scores = [None if source is None else by_source[source][i]
+                  for i, source in enumerate(rows["caption_source"].to_pylist())]
+        return StepResult(columns={"clip_score": scores},
+                          **clip_decisions(self.cfg.process.clip, scores))

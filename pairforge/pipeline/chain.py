@@ -11,9 +11,9 @@ from __future__ import annotations
 from pairforge.config import PairforgeConfig
 from pairforge.filters.basic import BasicFilterStep
 from pairforge.filters.classify import classifier_steps
-from pairforge.filters.clip import ClipStep, ClipTrainingStep
+from pairforge.filters.clip import ClipCandidatesStep, ClipStep, ClipTrainingStep
 from pairforge.recaption.choice import TrainingCaptionStep
-from pairforge.recaption.step import RecaptionStep
+from pairforge.recaption.step import RecaptionStep, SecondRecaptionStep
 from pairforge.stage import Step
 from pairforge.tokenizers.step import TokenizeStep
 
@@ -27,8 +27,11 @@ def stage_steps(cfg: PairforgeConfig) -> list[type[Step]]:
         # recaption step, so dropped rows cost no generation
         *classifier_steps(cfg),
         RecaptionStep,
+        SecondRecaptionStep,
+        # recaption-first builds: CLIP scores the candidate captions, the choice takes one
+        # (best: the highest), CLIP judges the chosen one
+        ClipCandidatesStep,
         TrainingCaptionStep,
-        # recaption-first builds: CLIP judges the training caption once it is chosen
         ClipTrainingStep,
         TokenizeStep,
     ]

@@ -60,6 +60,8 @@ ADDED_SETTINGS: dict[str, Any] = {
     # judges captions after recaptioning in stage 3; clip.score matters only there
     "process.recaption_first": False,
     "process.clip.score": "training",
+    "process.recaption.second_prompt": None,
+    "process.recaption.input_resolution": None,
 }
 _SAMPLE_BYTES = 1 << 20  # a model file is fingerprinted by its size and its ends
 

@@ -57,6 +57,8 @@ class TransformersCaptioner(Captioner):
         self.model = AutoModelForImageTextToText.from_pretrained(
             cfg.model, revision=cfg.revision, dtype=dtype).to(device).eval()
         self.mode = self._prompt_mode()
+        self.image_kwargs, self.generate_kwargs = resolution_kwargs(
+            self.processor.image_processor, self.model, cfg.input_resolution)
         # constrained decoding (recaption/constrain.py) in the processor's own subwords
         self.blocker = WordBlocker(tokenizer, blocked) if blocked and tokenizer else None
 
@@ -79,11 +81,11 @@ class TransformersCaptioner(Captioner):
             text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
             # one image per conversation: nested lists are what multi-image processors want
             return self.processor(text=[text] * len(images), images=[[im] for im in images],
-                                  return_tensors="pt", padding=True)
+                                  return_tensors="pt", padding=True, **self.image_kwargs)
         if self.mode == "prefix":
             return self.processor(images=images, text=[prompt] * len(images),
-                                  return_tensors="pt", padding=True)
-        return self.processor(images=images, return_tensors="pt")
+                                  return_tensors="pt", padding=True, **self.image_kwargs)
+        return self.processor(images=images, return_tensors="pt", **self.image_kwargs)
 
     def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
         return self.processor.batch_decode(self.generate_ids(images, prompt),
@@ -103,13 +105,39 @@ class TransformersCaptioner(Captioner):
             extra["logits_processor"] = [self.blocker.logits_processor()]
         with torch.inference_mode():
             output = self.model.generate(**inputs, max_new_tokens=self.cfg.max_new_tokens,
-                                         **extra)
+                                         **extra, **self.generate_kwargs)
         prompt_ids = inputs.get("input_ids")
         if (prompt_ids is not None and not self.model.config.is_encoder_decoder
                 and output.shape[1] >= prompt_ids.shape[1]
                 and torch.equal(output[:, :prompt_ids.shape[1]], prompt_ids)):
             output = output[:, prompt_ids.shape[1]:]  # decoder-only: drop the prompt
         return output
+
+
+def resolution_kwargs(image_processor: Any, model: Any,
+                      side: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(processor kwargs, generate kwargs) that make the captioner see ``side`` pixels: a
+    fixed-size encoder (BLIP, GIT, PaliGemma: height and width) at side x side with its
+    position embeddings interpolated; a tiling one (Idefics3/SmolVLM: longest_edge) with
+    that longest edge; a shortest-edge one (CLIP-style) resized and cropped to it."""
+    if side is None:
+        return {}, {}
+    size = image_processor.size
+    has = (lambda k: size.get(k) is not None) if isinstance(size, dict) else (
+        lambda k: getattr(size, k, None) is not None)
+    if has("height") and has("width"):
+        import inspect
+
+        takes = "interpolate_pos_encoding" in inspect.signature(model.generate).parameters
+        return ({"size": {"height": side, "width": side}},
+                {"interpolate_pos_encoding": True} if takes else {})
+    if has("longest_edge"):
+        return {"size": {"longest_edge": side}}, {}
+    if has("shortest_edge"):
+        return {"size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}, {}
+    raise ValueError(f"process.recaption.input_resolution: the image processor "
+                     f"{type(image_processor).__name__} has no size this setting knows how to "
+                     f"change ({size}); leave it null for this model")
 
 
 def data_url(image: Image.Image) -> str:
@@ -142,6 +170,10 @@ class OpenAICaptioner(Captioner):
         self.url = self.server.base_url.rstrip("/") + "/chat/completions"
 
     def _body(self, image: Image.Image, prompt: str) -> dict[str, Any]:
+        side = self.cfg.input_resolution
+        if side and max(image.size) > side:  # the server's image tokens follow the size
+            image = image.copy()
+            image.thumbnail((side, side), Image.Resampling.LANCZOS)
         body = {"model": self.cfg.model, "max_tokens": self.cfg.max_new_tokens,
                 "temperature": self.cfg.temperature,
                 "messages": [{"role": "user", "content": [

@@ -83,6 +83,8 @@ def cache_identity(cfg: PairforgeConfig) -> dict[str, Any]:
                 "logit_bias": rc.openai.logit_bias_tokenizer if rc.backend == "openai" else None,
                 "model_config": _config_digest(Path(rc.model)),
                 "lexicons": _folder_digest(lexicons)}
+    if rc.input_resolution is not None:  # (absent otherwise: earlier caches stay valid)
+        identity["input_resolution"] = rc.input_resolution
     clip = cfg.process.clip
     if rc.grounding.enabled and rc.grounding.backend == "detector":
         detector = rc.grounding.detector
@@ -206,16 +208,18 @@ class CaptionCache:
         return None
 
 
-def write_part(cfg: PairforgeConfig, shard_id: int, rows: list[dict[str, Any]]) -> int:
-    """Cache the captions the model made for one shard; returns how many."""
-    made = [r for r in rows if r.get("recaption_origin") == "model"]
+def write_part(cfg: PairforgeConfig, shard_id: int, rows: list[dict[str, Any]],
+               column: str = "recaption") -> int:
+    """Cache the captions the model made for one shard (in ``column``: a second prompt's
+    are recaption_2, under the cache identity of ``cfg``'s prompt); returns how many."""
+    made = [r for r in rows if r.get(f"{column}_origin") == "model"]
     if not made:
         return 0
     folder = cache_dir(cfg)
     folder.makedirs()
     table = pa.Table.from_pylist([{
-        "pixel_hash": r["pixel_hash"], "phash": r["phash"], "recaption": r["recaption"],
-        "flags": r["recaption_flags"] or [], "embedding": r.get("recaption_embedding"),
+        "pixel_hash": r["pixel_hash"], "phash": r["phash"], "recaption": r[column],
+        "flags": r[f"{column}_flags"] or [], "embedding": r.get(f"{column}_embedding"),
     } for r in made], schema=CACHE_SCHEMA)
     with folder.open_atomic("", f"{build_id(cfg)}-{shard_name(shard_id)}.parquet") as f:
         pq.write_table(table, f)

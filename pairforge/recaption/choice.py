@@ -17,7 +17,9 @@ an image without usable alt-text.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
@@ -75,19 +77,25 @@ def first_passing(order: list[tuple[str, str | None]], rules: BasicFilterConfig 
 
 
 def recaption_first_choice(choice: str, share: float, seed: int, key: str,
-                           original: str | None, alt_text_issue: str | None,
-                           recaption: str | None, rules: BasicFilterConfig | None) -> Choice:
-    """The training caption of a recaption-first row (module docstring): ``recaption``
-    trains on the recaption only; ``mix`` on its seeded draw, else on the other."""
-    usable = original if alt_text_issue is None else None
-    candidates = {"recaption": recaption, "original": usable}
+                           candidates: dict[str, str | None], alt_text_issue: str | None,
+                           rules: BasicFilterConfig | None,
+                           scores: dict[str, float | None] | None = None) -> Choice:
+    """The training caption of a recaption-first row (module docstring). ``candidates``:
+    source -> text (recaption, recaption_2, original: the alt-text as read; a junk one is
+    no candidate); ``scores``: source -> CLIP score, which ``best`` ranks by."""
+    usable = candidates.get("original") if alt_text_issue is None else None
+    present = {**candidates, "original": usable}
     if choice == "recaption":
-        order = [("recaption", recaption)]
-    else:
+        order = ["recaption"]
+    elif choice == "mix":
         first = mix_draw(share, seed, key)
-        order = [(first, candidates[first])] + [(s, t) for s, t in candidates.items()
-                                                if s != first]
-    return first_passing(order, rules, usable is not None, alt_text_issue or "missing")
+        order = [first, "original" if first == "recaption" else "recaption"]
+    else:  # best: every candidate, the highest score first (ties: recaption first)
+        ranked = [s for s in present if present[s] is not None
+                  and (scores or {}).get(s) is not None]
+        order = sorted(ranked, key=lambda s: -(scores or {})[s])
+    return first_passing([(s, present.get(s)) for s in order], rules, usable is not None,
+                         alt_text_issue or "missing")
 
 
 class TrainingCaptionStep(Step):
@@ -125,13 +133,32 @@ class TrainingCaptionStep(Step):
     def _recaption_first(self, rows: pa.Table, recaptions: list[str | None]) -> StepResult:
         basic = self.cfg.process.basic
         rules = basic if basic.enabled else None
-        chosen = [recaption_first_choice(self.choice, self.tasks.recaption_share,
-                                         self.tasks.seed, key, original, issue, recaption,
-                                         rules)
-                  for key, original, issue, recaption in zip(
-                      rows["key"].to_pylist(), rows["caption"].to_pylist(),
-                      rows["caption_issue"].to_pylist(), recaptions, strict=True)]
+        columns = {source: _column(rows, source) for source in ("recaption_2",)}
+        scores = {source: _column(rows, f"clip_score_{source}") for source in SOURCES}
+        originals, issues = rows["caption"].to_pylist(), rows["caption_issue"].to_pylist()
+        chosen = []
+        for i, key in enumerate(rows["key"].to_pylist()):
+            candidates = {"recaption": recaptions[i], "recaption_2": columns["recaption_2"][i],
+                          "original": originals[i]}
+            chosen.append(recaption_first_choice(
+                self.choice, self.tasks.recaption_share, self.tasks.seed, key, candidates,
+                issues[i], rules, {s: v[i] for s, v in scores.items()}))
         return StepResult(columns={"caption_source": [c.source for c in chosen],
                                    "train_caption": [c.text for c in chosen]},
                           status=[c.status.value if c.status else None for c in chosen],
                           error=[c.error for c in chosen])
+
+    @classmethod
+    def finish_shard(cls, cfg: PairforgeConfig, shard_id: int,
+                     rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """Which caption trained how many of the shard's samples."""
+        trained = Counter(r.get("caption_source") or "none" for r in rows
+                          if r["status"] == Status.OK.value)
+        return {"samples_by_caption": dict(sorted(trained.items()))}
+
+
+SOURCES = ("recaption", "recaption_2", "original")  # what caption_source may say
+
+
+def _column(rows: pa.Table, name: str) -> list[Any]:
+    return rows[name].to_pylist() if name in rows.column_names else [None] * rows.num_rows

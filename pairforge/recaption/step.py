@@ -20,7 +20,7 @@ import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -59,8 +59,9 @@ SERVER_SPEED_KEYS = ("openai.concurrency", "openai.timeout_s", "openai.retries")
 DETECTOR_KEYS = ("grounding.backend", "grounding.detector")
 
 
-def registry_name(cfg: PairforgeConfig) -> str:
-    return REGISTRY_PREFIX + build_id(cfg)
+def registry_name(cfg: PairforgeConfig, column: str = "recaption") -> str:
+    """The build's claim registry of one recaption column (each prompt claims its own)."""
+    return REGISTRY_PREFIX + build_id(cfg) + ("" if column == "recaption" else f"-{column}")
 
 
 def recaption_sources(cfg: PairforgeConfig) -> tuple[ModelSource, ...]:
@@ -112,34 +113,42 @@ def _owl_check(model: str):  # noqa: ANN202 - a SourceCheck
     return check
 
 
-def recaption_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Where each recaption came from and what the safety checks did, for a shard's stats."""
-    done = [r for r in rows if r.get("recaption_origin")]
+def recaption_stats(rows: list[dict[str, Any]], column: str = "recaption") -> dict[str, Any]:
+    """Where each recaption (of ``column``) came from and what the safety checks did, for
+    a shard's stats."""
+    done = [r for r in rows if r.get(f"{column}_origin")]
     # "attribute:gender:woman" counts as attribute:gender, "abstained:ungrounded:dog" as
     # abstained:ungrounded: the kind of check, not the word
-    flags = Counter(":".join(f.split(":")[:2]) for r in done for f in r["recaption_flags"] or [])
+    flags = Counter(":".join(f.split(":")[:2]) for r in done
+                    for f in r[f"{column}_flags"] or [])
 
     def rows_flagged(prefix: str) -> int:
-        return sum(any(f.startswith(prefix) for f in r["recaption_flags"] or []) for r in done)
+        return sum(any(f.startswith(prefix) for f in r[f"{column}_flags"] or []) for r in done)
 
     return {"rows": len(done),
-            "origin": dict(sorted(Counter(r["recaption_origin"] for r in done).items())),
-            "abstained": sum(r["recaption"] is None for r in done),
+            "origin": dict(sorted(Counter(r[f"{column}_origin"] for r in done).items())),
+            "abstained": sum(r[column] is None for r in done),
             "rows_with_attributes_removed": rows_flagged("attribute:"),
             "regenerated": rows_flagged("regenerated:"),
             "flags": dict(sorted(flags.items())),
             "caption_source": dict(sorted(Counter(
                 r.get("caption_source") or "none" for r in done).items())),
             # kept rows whose alt-text could not train (caption_issue): recaptioning's rescue
-            "rescued": sum(r["status"] == "ok" and r.get("caption_issue") is not None
-                           and r.get("caption_source") == "recaption" for r in done)}
+            "rescued": sum(r.get("status") == "ok" and r.get("caption_issue") is not None
+                           and r.get("caption_source") == column for r in done)}
 
 
 class RecaptionStep(ModelStep):
     name = "recaption"
+    column: ClassVar[str] = "recaption"  # and COLUMN_flags, COLUMN_origin, COLUMN_embedding
     requires = ("image", "caption", "pixel_hash", "phash")
     provides = process_columns("recaption", "recaption_flags", "recaption_origin",
                                "recaption_embedding")
+
+    @classmethod
+    def step_config(cls, cfg: PairforgeConfig) -> PairforgeConfig:
+        """The config this step captions under (its prompt)."""
+        return cfg
 
     @classmethod
     def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
@@ -166,6 +175,7 @@ class RecaptionStep(ModelStep):
 
     def __init__(self, cfg: PairforgeConfig) -> None:
         super().__init__(cfg)
+        cfg = self.step_config(cfg)
         rc = cfg.process.recaption
         self.device = model_device(rc)
         self.checked = CheckedCaptioner(cfg, self.device)
@@ -174,13 +184,13 @@ class RecaptionStep(ModelStep):
                       if rc.cache.enabled else CaptionCache())
         self.embed_tier = rc.cache.enabled and rc.cache.embedding_threshold is not None
         self.embed_source = rc.embedding_source
-        self.registry = find_registry(registry_name(cfg))
+        self.registry = find_registry(registry_name(cfg, self.column))
 
     @classmethod
     @contextlib.contextmanager
     def build_scope(cls, cfg: PairforgeConfig) -> Iterator[None]:
         """The build's claim registry lives as long as the stage-3 run."""
-        registry = start_registry(registry_name(cfg))
+        registry = start_registry(registry_name(cfg, cls.column))
         try:
             yield
         finally:
@@ -194,10 +204,10 @@ class RecaptionStep(ModelStep):
         """Cache the shard's captions (before its stats file: a complete shard's captions
         are always in the cache) and count what the checks did."""
         if cfg.process.recaption.cache.enabled:
-            write_part(cfg, shard_id, rows)
+            write_part(cls.step_config(cfg), shard_id, rows, cls.column)
         for row in rows:  # the embedding is the cache's, not the dataset's
-            row.pop("recaption_embedding", None)
-        return recaption_stats(rows)
+            row.pop(f"{cls.column}_embedding", None)
+        return recaption_stats(rows, cls.column)
 
     @property
     def clip(self) -> ClipScorer:
@@ -308,12 +318,45 @@ class RecaptionStep(ModelStep):
         found.update((i, (e, "model"))
                      for i, e in self._generate_for(rows, orphans, vectors).items())
 
-    @staticmethod
-    def _columns(results: list[tuple[CachedCaption, str]], vectors: list[Any]) -> StepResult:
+    def _columns(self, results: list[tuple[CachedCaption, str]],
+                 vectors: list[Any]) -> StepResult:
+        column = self.column
         return StepResult(columns={
-            "recaption": [e.recaption for e, _ in results],
-            "recaption_flags": [list(e.flags) for e, _ in results],
-            "recaption_origin": [origin for _, origin in results],
-            "recaption_embedding": [None if v is None else np.asarray(v).tolist()
+            column: [e.recaption for e, _ in results],
+            f"{column}_flags": [list(e.flags) for e, _ in results],
+            f"{column}_origin": [origin for _, origin in results],
+            f"{column}_embedding": [None if v is None else np.asarray(v).tolist()
                                     for v in vectors],
         })
+
+
+class SecondRecaptionStep(RecaptionStep):
+    """The same captioner and checks under ``recaption.second_prompt`` (the design's
+    instruction control: a short caption and a detailed one), as column ``recaption_2``:
+    its own cache identity (the prompt is part of it) and its own claim registry."""
+
+    name = "recaption_2"
+    column = "recaption_2"
+    provides = process_columns("recaption_2", "recaption_2_flags", "recaption_2_origin",
+                               "recaption_2_embedding")
+
+    @classmethod
+    def enabled(cls, cfg: PairforgeConfig) -> bool:
+        rc = cfg.process.recaption
+        return rc.enabled and rc.second_prompt is not None
+
+    @classmethod
+    def step_config(cls, cfg: PairforgeConfig) -> PairforgeConfig:
+        second = cfg.model_copy(deep=True)
+        second.process.recaption.prompt = cfg.process.recaption.second_prompt
+        return second
+
+    @classmethod
+    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+        # the recaption step records the section (second_prompt included) and its sources
+        return Requirements(display=cfg.process.recaption.model)
+
+    @classmethod
+    def manifest_entries(cls, cfg: PairforgeConfig, first: dict[str, Any],
+                         totals: dict[str, Any]) -> dict[str, Any]:
+        return {}

@@ -127,12 +127,17 @@ def _sum_into(total: dict[str, Any], part: dict[str, Any]) -> None:
             total[name] = total.get(name, 0) + value
 
 
+# Steps whose per-shard stats (Step.finish_shard) the manifest adds up under their name
+SUMMED_SECTIONS = ("recaption", "recaption_2", "training_caption")
+
+
 class _Fold:
     """What the manifest says of all the shards, added up one shard's stats at a time."""
 
     def __init__(self) -> None:
         self.tasks: dict[str, Counter] = {}
-        self.recaption: dict[str, Any] | None = None  # None: no shard recorded recaption
+        # the steps' own stats added up (None: no shard recorded the step)
+        self.sections: dict[str, dict[str, Any] | None] = dict.fromkeys(SUMMED_SECTIONS)
         self.steps: dict[str, dict[str, Any]] = {}
         self.p_drops: set[float] = set()
         self.max_deviation: float | None = None
@@ -147,10 +152,10 @@ class _Fold:
             self.first = shard
         for task, counts in shard.get("tasks", {}).items():
             self.tasks.setdefault(task, Counter()).update(counts)
-        if "recaption" in shard:
-            if self.recaption is None:
-                self.recaption = {}
-            _sum_into(self.recaption, shard["recaption"])
+        for name in SUMMED_SECTIONS:
+            if name in shard:
+                self.sections[name] = self.sections[name] or {}
+                _sum_into(self.sections[name], shard[name])
         self._add_steps(shard.get("step_stats", {}))
         if "budget" in shard:
             budget = shard["budget"]
@@ -176,12 +181,13 @@ class _Fold:
     def task_totals(self) -> dict[str, dict[str, int]]:
         return {task: dict(c) for task, c in sorted(self.tasks.items())}
 
-    def recaption_totals(self) -> dict[str, Any] | None:
-        """The shards' recaption stats added up (counters nested one level deep)."""
-        if self.recaption is None:
+    def section_totals(self, name: str) -> dict[str, Any] | None:
+        """A step's shard stats added up (counters nested one level deep)."""
+        section = self.sections[name]
+        if section is None:
             return None
         return {k: dict(sorted(v.items())) if isinstance(v, Counter) else v
-                for k, v in sorted(self.recaption.items())}
+                for k, v in sorted(section.items())}
 
     def step_totals(self) -> dict[str, dict[str, Any]]:
         return {name: {**part, "ended": dict(sorted(part["ended"].items()))}
@@ -290,7 +296,10 @@ def _fill(manifest: Manifest, out: OutputDir, cfg: PairforgeConfig,
         "config": cfg.model_dump(mode="json", exclude={"serve"}),
         "vocab": fold.vocab(),
         **_step_entries(cfg, steps, fold),
-        "recaption": fold.recaption_totals(),
+        "recaption": fold.section_totals("recaption"),
+        "recaption_2": fold.section_totals("recaption_2"),
+        # which caption trained how many samples
+        "training_caption": fold.section_totals("training_caption"),
         "steps": fold.step_totals(),
         "budget": {
             "p_drop": p_drop,
