@@ -59,7 +59,8 @@ def variants(data: bytes) -> dict[str, bytes]:
 def _row(key: str, image: ProcessedImage) -> dict:
     return {"key": key, "exact": image.pixel_hash, "phash": image.phash,
             "phash_mirror": image.phash_mirror, "crop_phashes": list(image.crop_phashes),
-            "original_width": image.original_width, "original_height": image.original_height}
+            "colour_grid": image.colour_grid, "original_width": image.original_width,
+            "original_height": image.original_height}
 
 
 def kinds_part(families: int) -> None:
@@ -74,9 +75,18 @@ def kinds_part(families: int) -> None:
             rows.append(_row(make_key(1 + n, j), process_image(data, cfg)))
             origin[rows[-1]["key"]] = (f.name, kind)
     table = pa.Table.from_pylist(rows, schema=ROWS_SCHEMA)
+    print(f"\n{len(files)} photos, {families} with {len(KINDS)} planted variants each "
+          f"({len(rows):,} rows)")
+    for colour in (None, DedupConfig().max_colour_distance):
+        print(f"\n### dedup.max_colour_distance: {colour}")
+        _recall(table, origin, colour)
+    _closest(rows[:len(files)])
+
+
+def _recall(table: pa.Table, origin: dict, colour: int | None) -> None:
     started = time.perf_counter()
-    dropped = {r["key"]: r for r in find_duplicates(table, DedupConfig().max_distance)
-               .duplicates.to_pylist()}
+    dropped = {r["key"]: r for r in find_duplicates(
+        table, DedupConfig().max_distance, max_colour_distance=colour).duplicates.to_pylist()}
     took = time.perf_counter() - started
     cluster = {k: dropped[k]["cluster_id"] if k in dropped else k for k in origin}
     original = {photo: k for k, (photo, kind) in origin.items() if kind == "original"}
@@ -87,15 +97,13 @@ def kinds_part(families: int) -> None:
             if key in dropped:
                 labels[kind][dropped[key]["kind"].removeprefix("duplicate_")] += 1
     wrong = [k for k, r in dropped.items() if origin[k][0] != origin[r["kept_key"]][0]]
-    print(f"\n{len(files)} photos, {families} with {len(KINDS)} planted variants each "
-          f"({len(rows):,} rows); find_duplicates {took:.2f}s")
+    print(f"find_duplicates {took:.2f}s")
     print("\n| variant | caught | recall | labelled as |\n|---|---:|---:|---|")
     for kind in KINDS:
         got = hits[kind]
         named = ", ".join(f"{k} {v}" for k, v in sorted(labels[kind].items()))
         print(f"| {kind} | {sum(got)}/{len(got)} | {sum(got) / len(got):.3f} | {named} |")
     print(f"\nfalse merges (dropped for another photo): {len(wrong)} {wrong[:5]}")
-    _closest(rows[:len(files)])
 
 
 def _closest(originals: list[dict]) -> None:

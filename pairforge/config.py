@@ -159,6 +159,10 @@ class DedupConfig(Strict):
     max_distance: int = Field(
         4, ge=0, le=16,
         description="largest phash Hamming distance counted as a near duplicate")
+    max_colour_distance: int | None = Field(
+        32, ge=0, le=255, description="never merge two images whose 8x8 colour grids "
+        "(mean Y, Cb, Cr per cell) differ by more than this in a cell (the better "
+        "orientation; crops exempt): phashes see luminance only, coarsely; null: off")
     index: list[str] = Field(default_factory=list,
                              description="dedup index parquet files of earlier builds")
     write_index: bool = Field(True, description="write this build's hashes as an index")

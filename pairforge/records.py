@@ -109,6 +109,8 @@ RAW_COLUMNS: list[pa.Field] = [
     pa.field("phash", pa.uint64()),
     pa.field("phash_mirror", pa.uint64()),  # dedup only: see filters/hashing.py
     pa.field("crop_phashes", pa.list_(pa.uint64())),  # dedup only: centre regions, mirrors
+    # dedup only: YCbCr cell means, 8x8 of the whole, 4x4 of each crop region (288 bytes)
+    pa.field("colour_grid", pa.binary()),
     pa.field("exif", pa.string()),
     # opted_out rows: x_robots_tag or list (null otherwise; absent in shards written before
     # it was added, which readers take as null)
@@ -117,7 +119,7 @@ RAW_COLUMNS: list[pa.Field] = [
 
 # Only these are read by the dedup stage; it never opens images.
 HASH_COLUMNS = ["key", "status", "sha256", "pixel_hash", "phash", "phash_mirror",
-                "crop_phashes", "original_width", "original_height"]
+                "crop_phashes", "colour_grid", "original_width", "original_height"]
 
 
 # Columns stage 3 may add to the raw record, in the order they appear in its parquet. Steps

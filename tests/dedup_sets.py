@@ -5,8 +5,10 @@ distributed stage 2 must equal.
 A *family* is one photo's hashes (whole, mirror, two regions and their mirrors) plus
 variants: exact copies (same pixel hash, or the same sha256 without one), near copies
 (a few bits flipped in every hash), mirrors (whole and mirror swapped), crops (the whole
-hash near the original's 80 % region) and chains (each link a few bits from the last,
-so the far end is linked to the start only through the others). Besides: rows with
+hash near the original's 80 % region), chains (each link a few bits from the last,
+so the far end is linked to the start only through the others) and recolourings (near
+hashes, another colour grid: never merged with the family). Members share the family's
+colour grid within a few levels (a mirror's mirrored); older rows have none. Besides: rows with
 blank-image hashes, rows without any perceptual hash, rows of older versions (whole hash
 only), a dense bucket of distinct near-identical hashes, and one long chain of more than
 a thousand rows (so the evidence of chained rows looks at its first members only).
@@ -44,18 +46,40 @@ def _flip(rng: np.random.Generator, values: np.ndarray, most: int) -> np.ndarray
     return out
 
 
+COLOUR_BOUND = 32  # the default dedup.max_colour_distance
+
+
+def _grid(rng: np.random.Generator, base: np.ndarray | None = None,
+          mirrored: bool = False) -> bytes:
+    """A colour grid: ``base`` within 4 levels (mirrored left-right), or a random one."""
+    if base is None:
+        return rng.integers(0, 256, (8, 8, 3), dtype=np.int16).astype(np.uint8).tobytes()
+    grid = base[:, ::-1] if mirrored else base
+    return np.clip(grid + rng.integers(-4, 5, grid.shape), 0, 255).astype(np.uint8).tobytes()
+
+
+def _other_colour(rng: np.random.Generator, base: np.ndarray) -> bytes:
+    """A grid one cell of which is more than COLOUR_BOUND from ``base``, in both
+    orientations (a recoloured object)."""
+    grid = base.copy()
+    grid[3, 2:6, 1] = (grid[3, 2:6, 1] + 128) % 256
+    return grid.astype(np.uint8).tobytes()
+
+
 def generated_rows(seed: int, families: int = 60, chain_rows: int = 0) -> list[dict]:
     """Rows (dicts of the raw shard hash columns) of a generated set, in random order."""
     rng = np.random.default_rng(seed)
     t = 4
     rows: list[dict] = []
+    colour: dict[str, np.ndarray | None] = {"base": None}
 
     def add(points: np.ndarray | None, exact: str | None, sha: str | None = None,
-            size: int | None = None, older: bool = False) -> None:
+            size: int | None = None, older: bool = False, grid: bytes | None = None) -> None:
         side = int(size if size is not None else rng.choice([100, 200, 200, 300]))
         row = {"pixel_hash": exact, "sha256": sha, "original_width": side,
                "original_height": side if rng.random() < 0.9 else None,
-               "phash": None, "phash_mirror": None, "crop_phashes": None}
+               "phash": None, "phash_mirror": None, "crop_phashes": None,
+               "colour_grid": None if older else grid or _grid(rng, colour["base"])}
         if points is not None:
             row["phash"] = int(points[0])
             if not older:
@@ -69,12 +93,13 @@ def generated_rows(seed: int, families: int = 60, chain_rows: int = 0) -> list[d
     bases = _random_hashes(rng, (families, 2 + REGIONS))
     for f in range(families):
         base = bases[f]
+        colour["base"] = np.frombuffer(_grid(rng), np.uint8).reshape(8, 8, 3).astype(np.int16)
         add(base, fresh())
         for _ in range(int(rng.integers(0, 4))):
             kind = rng.choice(["exact", "sha", "near", "mirror", "crop", "chain", "older",
-                               "far"])
+                               "far", "recoloured"])
             if kind == "exact":
-                add(base, str(rows[-1]["pixel_hash"] or fresh()))
+                add(base, str(rows[-1]["pixel_hash"] or fresh()), grid=rows[-1]["colour_grid"])
             elif kind == "sha":
                 sha = f"sha-{f}"
                 add(base, None, sha)
@@ -83,7 +108,7 @@ def generated_rows(seed: int, families: int = 60, chain_rows: int = 0) -> list[d
                 add(_flip(rng, base, t), fresh())
             elif kind == "mirror":
                 swapped = base[[1, 0, 3, 2, 5, 4]]
-                add(_flip(rng, swapped, 2), fresh())
+                add(_flip(rng, swapped, 2), fresh(), grid=_grid(rng, colour["base"], True))
             elif kind == "crop":
                 cropped = _random_hashes(rng, (2 + REGIONS,))
                 cropped[0] = _flip(rng, base[4:5], 2)[0]  # the 0.8 region's hash
@@ -95,8 +120,11 @@ def generated_rows(seed: int, families: int = 60, chain_rows: int = 0) -> list[d
                     add(link, fresh())
             elif kind == "older":
                 add(_flip(rng, base, t), fresh(), older=True)
+            elif kind == "recoloured":
+                add(_flip(rng, base, t), fresh(), grid=_other_colour(rng, colour["base"]))
             else:
                 add(_random_hashes(rng, (2 + REGIONS,)), fresh())
+    colour["base"] = None  # the rest: random grids
     blank = np.array([0x8000000000000000, 0, 0, 0, 0, 0], dtype=np.uint64)
     for i in range(6):  # blank images: only their pixels can match
         add(blank, f"blank-{i % 4}")
@@ -111,6 +139,7 @@ def generated_rows(seed: int, families: int = 60, chain_rows: int = 0) -> list[d
         points[0] = value
         add(points, fresh())
     link = _random_hashes(rng, (2 + REGIONS,))
+    colour["base"] = np.frombuffer(_grid(rng), np.uint8).reshape(8, 8, 3).astype(np.int16)
     for _ in range(chain_rows):  # a long chain: one component, mostly indirect
         link = _flip(rng, link, 2)
         add(link, fresh(), size=int(rng.integers(50, 400)))
@@ -127,8 +156,8 @@ def write_raw(folder: Path, rows: list[dict], shards: int, failed: int = 2) -> N
         columns["key"] = [make_key(shard, i) for i in range(len(part) + failed)]
         columns["status"] = ["ok"] * len(part) + [Status.TIMEOUT.value] * failed
         for name in ("sha256", "pixel_hash", "phash", "phash_mirror", "crop_phashes",
-                     "original_width", "original_height"):
-            columns[name] = [r[name] for r in part] + [None] * failed
+                     "colour_grid", "original_width", "original_height"):
+            columns[name] = [r.get(name) for r in part] + [None] * failed
         pq.write_table(pa.table(columns, schema=schema), folder / f"{shard:05d}.parquet")
 
 
@@ -145,7 +174,7 @@ def oracle(raw: Path, indexes: list[Path], max_distance: int, source: str
                              for f in sorted(raw.glob("*.parquet"))])
     files = [f for path in indexes for f in index_files(path)]
     index = pa.concat_tables([read_index(str(f), {}) for f in files]) if files else None
-    result = find_duplicates(rows, max_distance, index)
+    result = find_duplicates(rows, max_distance, index, max_colour_distance=COLOUR_BOUND)
     return result.duplicates, result.stats, next_index(rows, result.duplicates, source,
                                                        index)
 

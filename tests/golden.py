@@ -188,7 +188,10 @@ def _parquet_contents(path: Path, root: str, floats: list[float]) -> bytes:
 
     table = pq.read_table(path)
     schema = table.schema.to_string(show_schema_metadata=False).encode()
-    return schema + b"\0" + _json_bytes(json.dumps(table.to_pylist()).encode(), root, floats)
+    # binary columns (the colour grid) as hex: JSON has no bytes
+    rows = json.dumps(table.to_pylist(), default=lambda v: v.hex() if isinstance(v, bytes)
+                      else repr(v))
+    return schema + b"\0" + _json_bytes(rows.encode(), root, floats)
 
 
 def digest(out: Path) -> dict[str, dict[str, Any]]:

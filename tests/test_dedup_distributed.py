@@ -36,7 +36,8 @@ T = DedupConfig().max_distance
 # the stats both compute (the stage adds its own: files, statuses, digest, seconds)
 DECISION_STATS = ["ok_rows", "index_rows", "duplicates", *(s.value for s in (
     Status.DUPLICATE_EXACT, Status.DUPLICATE_NEAR, Status.DUPLICATE_MIRROR,
-    Status.DUPLICATE_CROP)), "dropped_for_index", "clusters", "kept", "degenerate_hashes",
+    Status.DUPLICATE_CROP)), "dropped_for_index", "clusters", "colour_splits", "kept",
+    "degenerate_hashes",
     "missing_phash", "distinct_phashes", "dense_phashes", "near_pairs", "max_distance",
     "band_plan"]
 

@@ -56,7 +56,12 @@ from PIL import ExifTags, Image, ImageOps, JpegImagePlugin, UnidentifiedImageErr
 from pairforge.config import ImageConfig
 from pairforge.download import jpegdecode
 from pairforge.download.resample import downscale as _downscale
-from pairforge.filters.hashing import perceptual_hashes, pixel_hash_hex, sha256_hex
+from pairforge.filters.hashing import (
+    colour_grid,
+    perceptual_hashes,
+    pixel_hash_hex,
+    sha256_hex,
+)
 from pairforge.records import Status
 
 # Formats a web image can reasonably be. Others Pillow knows are refused as not_an_image:
@@ -100,6 +105,7 @@ class ProcessedImage:
     phash: int  # unsigned 64-bit perceptual hash
     phash_mirror: int  # the phash of the image mirrored left-right
     crop_phashes: tuple[int, ...]  # centre regions' phashes (filters.hashing.CROP_FRACTIONS)
+    colour_grid: bytes  # 8x8 YCbCr cell means (filters.hashing.colour_grid)
     exif: str | None  # JSON of a few EXIF tags
 
 
@@ -170,7 +176,7 @@ def _process(body: bytes, cfg: ImageConfig, draft: bool, turbo: bool) -> Process
         data=_encode(out, cfg), format=cfg.encode_format, width=out.width, height=out.height,
         original_width=stored_w, original_height=stored_h, sha256=sha256_hex(body),
         pixel_hash=pixel_hash, phash=hashes.phash, phash_mirror=hashes.phash_mirror,
-        crop_phashes=hashes.crop_phashes, exif=exif)
+        crop_phashes=hashes.crop_phashes, colour_grid=colour_grid(rgb), exif=exif)
 
 
 def _open(body: bytes) -> Image.Image:

@@ -125,13 +125,13 @@ class ShardDownloader:
             original_width=image.original_width, original_height=image.original_height,
             sha256=image.sha256, pixel_hash=image.pixel_hash, phash=image.phash,
             phash_mirror=image.phash_mirror, crop_phashes=list(image.crop_phashes),
-            exif=image.exif)
+            colour_grid=image.colour_grid, exif=image.exif)
         return record, image
 
 
 def _sample_meta(record: dict[str, Any]) -> dict[str, Any]:
     # The dedup-only hashes stay in the parquet: a sample's json keeps img2dataset's fields.
-    skip = {"http_status", "phash_mirror", "crop_phashes"}
+    skip = {"http_status", "phash_mirror", "crop_phashes", "colour_grid"}
     return json_safe({k: v for k, v in record.items() if v is not None and k not in skip})
 
 

@@ -62,7 +62,7 @@ import pyarrow.compute as pc
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from pairforge.filters.hashing import PIXEL_HASH
+from pairforge.filters.hashing import CROP_FRACTIONS, PIXEL_HASH, colour_distance, view_grid
 from pairforge.records import Status
 
 HASH_BITS = 64
@@ -102,6 +102,7 @@ ROWS_SCHEMA = pa.schema([
     pa.field("phash", pa.uint64()),
     pa.field("phash_mirror", pa.uint64()),
     pa.field("crop_phashes", HASH_LIST),
+    pa.field("colour_grid", pa.binary()),
     pa.field("original_width", pa.int32()),
     pa.field("original_height", pa.int32()),
 ])
@@ -115,6 +116,7 @@ INDEX_SCHEMA = pa.schema([
     pa.field("phash", pa.uint64()),
     pa.field("phash_mirror", pa.uint64()),
     pa.field("crop_phashes", HASH_LIST),
+    pa.field("colour_grid", pa.binary()),
     pa.field("original_width", pa.int32()),
     pa.field("original_height", pa.int32()),
 ], metadata={PIXEL_HASH_KEY: PIXEL_HASH.encode()})
@@ -482,6 +484,7 @@ def prepare_rows(raw: pa.Table) -> pa.Table:
         "phash": raw["phash"].cast(pa.uint64()),
         "phash_mirror": _column(raw, "phash_mirror", pa.uint64()),
         "crop_phashes": _column(raw, "crop_phashes", HASH_LIST),
+        "colour_grid": _column(raw, "colour_grid", pa.binary()),
         "original_width": raw["original_width"].cast(pa.int32()),
         "original_height": raw["original_height"].cast(pa.int32()),
     }, schema=ROWS_SCHEMA)
@@ -495,6 +498,7 @@ def index_rows(index: pa.Table) -> pa.Table:
         "phash": index["phash"].cast(pa.uint64()),
         "phash_mirror": _column(index, "phash_mirror", pa.uint64()),
         "crop_phashes": _column(index, "crop_phashes", HASH_LIST),
+        "colour_grid": _column(index, "colour_grid", pa.binary()),
         "original_width": index["original_width"].cast(pa.int32()),
         "original_height": index["original_height"].cast(pa.int32()),
         "source": index["source"].cast(pa.string()),
@@ -702,6 +706,72 @@ def duplicates_table(table: pa.Table, dropped: np.ndarray, kept: np.ndarray,
     return out.take(pc.sort_indices(out, sort_keys=[("key", "ascending")]))
 
 
+def colour_groups(labels: np.ndarray, rank: np.ndarray, grids: pa.ChunkedArray | pa.Array,
+                  points: np.ndarray, valid: np.ndarray, max_distance: int,
+                  max_colour_distance: int | None) -> np.ndarray:
+    """The components split by colour: labels under which no row is merged with one whose
+    colour grid differs by more than ``max_colour_distance`` (filters/hashing.py).
+
+    In each component of two or more, rows are taken in survivor order; a row joins the
+    group of the first earlier survivor it is compatible with, or starts its own group as
+    its survivor. Compatible (:func:`_compatible`): the whole-image grids are within the
+    bound (in the better orientation, so a mirror is compared mirrored), or a crop link's
+    two views are (the region's grid against the cut copy's), or either row has no grid
+    (an index or raw shard written before it: as before the check). Depends on row
+    contents only, like the survivor rule."""
+    if max_colour_distance is None or len(labels) == 0:
+        return labels
+    order = np.lexsort((rank, labels))
+    sorted_labels = labels[order]
+    starts = np.flatnonzero(np.r_[True, sorted_labels[1:] != sorted_labels[:-1]])
+    ends = np.r_[starts[1:], len(order)]
+    refined = labels.copy()
+    next_label = int(labels.max()) + 1
+    grid_of = grids.to_pylist()
+    for start, end in zip(starts, ends, strict=True):
+        if end - start < 2:
+            continue
+        survivors: list[int] = []
+        for row in order[start:end]:
+            match = next((s for s in survivors if _compatible(
+                row, s, grid_of, points, valid, max_distance, max_colour_distance)), None)
+            if match is None:
+                if survivors:  # a second colour in this component: a group of its own
+                    refined[row], next_label = next_label, next_label + 1
+                survivors.append(row)
+            else:
+                refined[row] = refined[match]
+    return refined
+
+
+def _compatible(row: int, survivor: int, grids: list[bytes | None], points: np.ndarray,
+                valid: np.ndarray, max_distance: int, max_colour_distance: int) -> bool:
+    """Whether two rows' colours allow a merge: either has no grid, or their whole-image
+    grids are within the bound, or a pair of their points that involves a region (a crop
+    link) is within ``max_distance`` bits and the grids of what those points see are
+    within half the bound: 4x4 cells average a recoloured object over more background
+    (true crops, mirrors, resizes and re-encodes of 300 COCO photos: at most 15; the
+    recoloured scenes of tests/test_colour_check.py: 26 and more)."""
+    a, b = grids[row], grids[survivor]
+    if a is None or b is None or colour_distance(a, b) <= max_colour_distance:
+        return True
+    limit = min(points.shape[1], _POINTS_WITH_GRIDS)
+    for i in range(limit):
+        for j in range(limit):
+            if (i < _REGIONS and j < _REGIONS) or not (valid[row, i] and valid[survivor, j]):
+                continue
+            if int(np.bitwise_count(points[row, i] ^ points[survivor, j])) > max_distance:
+                continue
+            difference = np.abs(view_grid(a, i) - view_grid(b, j)).max()
+            if difference <= max_colour_distance // 2:
+                return True
+    return False
+
+
+# the points a colour grid has a view of: whole, mirror, and each region with its mirror
+_POINTS_WITH_GRIDS = 2 + 2 * len(CROP_FRACTIONS)
+
+
 def survivor_rank(table: pa.Table, from_index: np.ndarray) -> np.ndarray:
     width = pc.fill_null(table["original_width"], 0).to_numpy().astype(np.int64)
     height = pc.fill_null(table["original_height"], 0).to_numpy().astype(np.int64)
@@ -724,6 +794,13 @@ def _exact_losers(exact_codes: np.ndarray, rank: np.ndarray) -> np.ndarray:
     ranks = np.argsort(np.argsort(rank[rows]))
     losers[rows] = best_of_groups(exact_codes[rows], ranks) != np.arange(len(rows))
     return losers
+
+
+def colour_splits(components: np.ndarray, labels: np.ndarray, from_index: np.ndarray) -> int:
+    """New rows kept because the colour check split their component: the groups beyond
+    one per component, over the rows of this build."""
+    new = ~from_index
+    return int(len(np.unique(labels[new])) - len(np.unique(components[new])))
 
 
 HASH_KINDS = (Status.DUPLICATE_EXACT, Status.DUPLICATE_NEAR, Status.DUPLICATE_MIRROR,
@@ -755,7 +832,8 @@ def _stats(duplicates: pa.Table, from_index: np.ndarray, labels: np.ndarray,
 
 
 def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = None,
-                    mapper: CombosMapper | None = None) -> DedupResult:
+                    mapper: CombosMapper | None = None,
+                    max_colour_distance: int | None = None) -> DedupResult:
     """Decide which of ``rows`` (ROWS_SCHEMA, ok rows) are duplicates, in this process:
     the single-process reference of stage 2 (see the module docstring).
 
@@ -763,7 +841,8 @@ def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = 
     and always survive, so a new row that matches one is dropped in its favour. Hashes
     that are missing, degenerate or dense stay out of the perceptual join (a row whose
     hashes all are only takes part in the exact join). ``mapper`` runs the band
-    combinations (locally by default; the stage passes a Ray one).
+    combinations (locally by default; the stage passes a Ray one);
+    ``max_colour_distance``: the colour check (:func:`colour_groups`; None: off).
     """
     _check_unique_keys(rows["key"])
     table, from_index = _combined(rows, index)
@@ -773,8 +852,10 @@ def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = 
     node[np.isin(node, near.dense)] = -1  # dense hashes leave the perceptual join too
     uninformative = valid[:, _WHOLE] & (node[:, _WHOLE] < 0)
     graph = _Graph(len(table), exact_codes(table["exact"]), values, node, near.pairs)
-    labels = graph.components()
     rank = survivor_rank(table, from_index)
+    components = graph.components()
+    labels = colour_groups(components, rank, table["colour_grid"], points, valid,
+                           max_distance, max_colour_distance)
     kept = best_of_groups(labels, rank)
     dropped = (kept != np.arange(len(table))) & ~from_index
     exact = _exact_losers(graph.exact_codes, rank)
@@ -782,6 +863,7 @@ def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = 
                                    max_distance)
     stats = _stats(duplicates, from_index, labels, dropped, uninformative, valid[:, _WHOLE],
                    near, len(values), max_distance)
+    stats["colour_splits"] = colour_splits(components, labels, from_index)
     return DedupResult(duplicates, stats)
 
 
@@ -800,6 +882,7 @@ def next_index(rows: pa.Table, duplicates: pa.Table, source: str,
         "phash": kept["phash"],
         "phash_mirror": kept["phash_mirror"],
         "crop_phashes": kept["crop_phashes"],
+        "colour_grid": kept["colour_grid"],
         "original_width": kept["original_width"],
         "original_height": kept["original_height"],
     }, schema=INDEX_SCHEMA)

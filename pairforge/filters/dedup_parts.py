@@ -63,6 +63,8 @@ from pairforge.filters.dedup import (
     _combo_pairs_local,
     as_index,
     best_of_groups,
+    colour_groups,
+    colour_splits,
     drop_repeated_rows,
     duplicates_table,
     exact_codes,
@@ -125,6 +127,7 @@ class Work:
     storage_options: dict[str, Any]
     parts: int  # partitions of rows, keys, exact hashes, values and links
     max_distance: int
+    max_colour_distance: int | None = None  # filters/dedup.colour_groups (None: off)
 
     def fs(self) -> fsspec.AbstractFileSystem:
         return fsspec.core.url_to_fs(self.root, **self.storage_options)[0]
@@ -497,11 +500,13 @@ def decide(work: Work, part: int, boundaries: list[str]) -> dict[str, int]:
     table = read_part(fs, work.files("members", work.parts), part, MEMBER_SCHEMA)
     table = table.take(pc.sort_indices(table["pos"]))  # the single process's row order
     from_index = table["from_index"].to_numpy(zero_copy_only=False)
-    _, labels = np.unique(table["label"].to_numpy(), return_inverse=True)
+    _, components = np.unique(table["label"].to_numpy(), return_inverse=True)
     rank = survivor_rank(table, from_index)
+    points, valid = points_of(table)
+    labels = colour_groups(components, rank, table["colour_grid"], points, valid,
+                           work.max_distance, work.max_colour_distance)
     kept = best_of_groups(labels, rank) if len(table) else np.zeros(0, np.int64)
     dropped = (kept != np.arange(len(table))) & ~from_index
-    points, valid = points_of(table)
     found = duplicates_table(table, dropped, kept,
                              table["exact_loser"].to_numpy(zero_copy_only=False),
                              points, valid, labels, work.max_distance)
@@ -512,6 +517,7 @@ def decide(work: Work, part: int, boundaries: list[str]) -> dict[str, int]:
                 _by_pos(gone, work.parts))
     kinds = Counter(found["kind"].to_pylist())
     return {"duplicates": len(found), "clusters": len(np.unique(labels[dropped])),
+            "colour_splits": colour_splits(components, labels, from_index),
             "dropped_for_index": int(pc.sum(pc.is_valid(found["kept_source"])).as_py() or 0),
             **{kind.value: kinds.get(kind.value, 0) for kind in HASH_KINDS}}
 
@@ -578,7 +584,8 @@ def index_rows_out(work: Work, part: int, scatter_units: int, source: str,
     table = pa.table({
         "key": kept["key"], "source": sources, "pixel_hash": kept["exact"],
         "phash": kept["phash"], "phash_mirror": kept["phash_mirror"],
-        "crop_phashes": kept["crop_phashes"], "original_width": kept["original_width"],
+        "crop_phashes": kept["crop_phashes"], "colour_grid": kept["colour_grid"],
+        "original_width": kept["original_width"],
         "original_height": kept["original_height"],
         "new": pc.invert(kept["from_index"]), "pos": kept["pos"],
     }, schema=INDEX_ROW_SCHEMA)

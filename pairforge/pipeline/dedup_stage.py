@@ -265,6 +265,7 @@ def _stats(decided: dict[str, Any], read: dict[str, Any], max_distance: int
         **{kind.value: decided[kind.value] for kind in HASH_KINDS},
         "dropped_for_index": decided["dropped_for_index"],
         "clusters": decided["clusters"],
+        "colour_splits": decided["colour_splits"],
         "kept": ok_rows - decided["duplicates"],
         "degenerate_hashes": read["degenerate_whole"] + decided["dense_whole"],
         "missing_phash": read["missing_phash"],
@@ -316,7 +317,8 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
     work_path = posixpath.join(root, WORK_FOLDER)
     _remove(fs, work_path)  # what an interrupted run left: this run redoes all of it
     work = Work(fs.unstrip_protocol(work_path), opts,
-                partition_count(sum(counts), cluster_cpus()), cfg.max_distance)
+                partition_count(sum(counts), cluster_cpus()), cfg.max_distance,
+                cfg.max_colour_distance)
     units = _units(inputs, counts)
     read = _read_phase(tasks, work, units)
     read_s = time.perf_counter() - started

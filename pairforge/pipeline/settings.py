@@ -46,7 +46,8 @@ PROCESS_SECTIONS = ("dedup", "process.tasks")  # the dedup decisions; the writer
 # download 4: the pixel hash is XXH3-128 (filters/hashing.PIXEL_HASH), not sha256
 # process 2: the wider attribute rule and constrained decoding (issue 20)
 # process 3: an attribute adjective left without its noun is the person (issue 20)
-OUTPUT_VERSIONS = {"download": 4, "process": 3}
+# download 5: the colour_grid column (a raw shard without it cannot take the colour check)
+OUTPUT_VERSIONS = {"download": 5, "process": 3}
 # Settings added after builds were made, with the value that leaves what an earlier
 # pairforge wrote unchanged: recorded only when set otherwise, so that an upgrade does not
 # mark every complete shard as made under other settings (and the golden build stays).

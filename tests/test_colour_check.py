@@ -1,0 +1,146 @@
+"""The colour check of near-duplicate decisions (issue 35, item 4): phashes see luminance
+only, so images that differ in colour (or in a small shape) can share a hash; stage 2
+never merges two images whose 8x8 colour grids differ by more than
+``dedup.max_colour_distance`` in a cell."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+
+import pyarrow as pa
+import pytest
+from conftest import COCO_IMAGES
+from PIL import Image, ImageEnhance, ImageOps
+
+from pairforge.config import DedupConfig, ImageConfig
+from pairforge.download.imageproc import ProcessedImage, process_image
+from pairforge.filters.dedup import INDEX_SCHEMA, ROWS_SCHEMA, find_duplicates
+from pairforge.filters.hashing import colour_distance, colour_grid
+from pairforge.scenes.world import COLOURS, render, scenes
+
+BOUND = DedupConfig().max_colour_distance
+T = DedupConfig().max_distance
+
+
+def _png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+def _jpeg(image: Image.Image, quality: int = 95) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=quality)
+    return out.getvalue()
+
+
+def _row(key: str, image: ProcessedImage) -> dict:
+    return {"key": key, "exact": image.pixel_hash, "phash": image.phash,
+            "phash_mirror": image.phash_mirror, "crop_phashes": list(image.crop_phashes),
+            "colour_grid": image.colour_grid, "original_width": image.original_width,
+            "original_height": image.original_height}
+
+
+def _decide(rows: list[dict], colour: int | None, index: pa.Table | None = None
+            ) -> dict[str, dict]:
+    table = pa.Table.from_pylist(rows, schema=ROWS_SCHEMA)
+    result = find_duplicates(table, T, index, max_colour_distance=colour)
+    return {r["key"]: r for r in result.duplicates.to_pylist()}
+
+
+def test_the_grid_and_its_distance() -> None:
+    red = Image.new("RGB", (64, 64), (200, 40, 40))
+    blue = Image.new("RGB", (64, 64), (40, 80, 200))
+    assert len(colour_grid(red)) == 192 + 2 * 48
+    assert colour_distance(colour_grid(red), colour_grid(red.resize((128, 128)))) == 0
+    assert colour_distance(colour_grid(red), colour_grid(blue)) > 100
+    half = Image.new("RGB", (64, 64), (128, 128, 128))
+    half.paste(red.crop((0, 0, 32, 64)), (0, 0))
+    # the mirror is compared mirrored
+    assert colour_distance(colour_grid(half), colour_grid(ImageOps.mirror(half))) == 0
+
+
+def test_recoloured_scenes_are_kept_and_copies_of_each_still_merge() -> None:
+    """Scene-world scenes and the same scenes with their first object in another colour:
+    phash merges many pairs, the colour check none; a 2x copy, a mirror and a PNG twin
+    of every scene still merge with it."""
+    cfg = ImageConfig()
+    rows, scene_of = [], {}
+    for i, s in enumerate(scenes(40)):
+        other = next(c for c in COLOURS if c != s.things[0].colour)
+        recoloured = replace(s, things=(replace(s.things[0], colour=other), *s.things[1:]))
+        image = render(s, 64)
+        variants = {"original": image, "recoloured": render(recoloured, 64),
+                    "double": image.resize((128, 128), Image.LANCZOS),
+                    "mirror": ImageOps.mirror(image)}
+        for kind, picture in variants.items():
+            key = f"{i:03d}{kind[:2]}"
+            rows.append(_row(key, process_image(_png(picture), cfg)))
+            scene_of[key] = (i, kind)
+        rows.append({**rows[-4], "key": f"{i:03d}tw"})  # a PNG twin: the same pixels
+        scene_of[f"{i:03d}tw"] = (i, "twin")
+
+    def cluster(dropped: dict[str, dict], key: str) -> str:
+        return dropped[key]["kept_key"] if key in dropped else key
+
+    def recoloured_merged(dropped: dict[str, dict]) -> int:
+        return sum(cluster(dropped, f"{i:03d}re") == cluster(dropped, f"{i:03d}or")
+                   for i in range(40))
+
+    without = _decide(rows, None)
+    checked = _decide(rows, BOUND)
+    assert recoloured_merged(without) >= 20  # phash alone merges most recolourings
+    assert recoloured_merged(checked) == 0
+    for key, (scene, kind) in scene_of.items():  # every copy in its original's cluster
+        if kind in ("double", "mirror", "twin"):
+            assert cluster(checked, key) == cluster(checked, f"{scene:03d}or"), key
+
+
+@pytest.mark.parametrize("families", [30])
+def test_photo_duplicates_keep_their_recall(families: int) -> None:
+    """Re-encodes, resizes, small and 10 % crops, brightness and mirrors of real photos
+    are all still caught with the check on, and no two photos merge."""
+    cfg = ImageConfig()
+    photos = sorted(COCO_IMAGES.glob("*.jpg"))[:families]
+    rows, photo_of = [], {}
+    for i, path in enumerate(photos):
+        image = ImageOps.exif_transpose(Image.open(path)).convert("RGB")
+        w, h = image.size
+        dx, dy = round(w * 0.1), round(h * 0.1)
+        variants = {"original": path.read_bytes(), "q60": _jpeg(image, 60),
+                    "half": _jpeg(image.resize((w // 2, h // 2), Image.LANCZOS), 90),
+                    "double": _jpeg(image.resize((w * 2, h * 2), Image.LANCZOS), 90),
+                    "crop2": _jpeg(image.crop((2, 2, w, h))),
+                    "brighter": _jpeg(ImageEnhance.Brightness(image).enhance(1.05)),
+                    "mirror": _jpeg(ImageOps.mirror(image)),
+                    "crop10": _jpeg(image.crop((dx, dy, w - dx, h - dy)))}
+        for j, data in enumerate(variants.values()):
+            rows.append(_row(f"{i:03d}{j}", process_image(data, cfg)))
+            photo_of[rows[-1]["key"]] = i
+    checked = _decide(rows, BOUND)
+    assert len(checked) == families * 7  # every variant, or its original, dropped
+    assert all(photo_of[k] == photo_of[r["kept_key"]] for k, r in checked.items())
+    assert _decide(rows, None).keys() == checked.keys()
+
+
+def test_an_index_without_grids_merges_as_before() -> None:
+    """An index written before the grid existed has none: its rows match on the hashes
+    only (the check needs both grids), as they did."""
+    cfg = ImageConfig()
+    for s in scenes(40):  # a scene whose recolouring has the same whole-image hash
+        other = next(c for c in COLOURS if c != s.things[0].colour)
+        red = process_image(_png(render(s, 64)), cfg)
+        blue = process_image(_png(render(replace(
+            s, things=(replace(s.things[0], colour=other), *s.things[1:])), 64)), cfg)
+        if red.phash == blue.phash:
+            break
+    assert red.phash == blue.phash
+    old = {"key": "old", "source": "earlier", "pixel_hash": "x" * 32, "phash": red.phash,
+           "phash_mirror": red.phash_mirror, "crop_phashes": list(red.crop_phashes),
+           "colour_grid": None, "original_width": 64, "original_height": 64}
+    index = pa.Table.from_pylist([old], schema=INDEX_SCHEMA)
+    assert set(_decide([_row("blue", blue)], BOUND, index)) == {"blue"}
+    with_grid = pa.Table.from_pylist([{**old, "colour_grid": red.colour_grid}],
+                                     schema=INDEX_SCHEMA)
+    assert _decide([_row("blue", blue)], BOUND, with_grid) == {}
