@@ -19,6 +19,10 @@ from pydantic import (
     model_validator,
 )
 
+from pairforge import __version__
+
+DEFAULT_USER_AGENT = f"pairforge/{__version__} (+https://github.com/pairforge/pairforge)"
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -103,9 +107,17 @@ class DownloadConfig(Strict):
     max_retry_after: float = Field(30.0, ge=0, description="longest Retry-After honoured")
     max_redirects: int = Field(5, ge=0)
     max_bytes: int = Field(20 * 1024**2, gt=0, description="body cap, read while streaming")
-    user_agent_token: str | None = Field(None, description="added to the User-Agent")
+    user_agent: str = Field(
+        DEFAULT_USER_AGENT, min_length=1,
+        description="the User-Agent header, naming a contact URL; its product token (before "
+        "the first /) is the name robots.txt groups and X-Robots-Tag values are matched by")
     per_host_connections: int = Field(8, gt=0, description="politeness: requests at once per host")
     respect_robots: bool = Field(True, description="honour X-Robots-Tag opt-outs")
+    robots_txt: bool = Field(True, description="honour each host's robots.txt (RFC 9309): "
+                             "disallowed rows end opted_out (reason robots) before any request; "
+                             "Crawl-delay spaces the requests to that host")
+    tdm: bool = Field(True, description="honour TDM reservations (W3C TDMRep): the "
+                      "tdm-reservation header and /.well-known/tdmrep.json (reason tdm)")
     robots_directives: list[str] = Field(
         default_factory=lambda: ["noai", "noimageai", "noindex", "noimageindex"],
         description="X-Robots-Tag directives that opt an image out (img2dataset's set)")
@@ -120,6 +132,32 @@ class DownloadConfig(Strict):
         default_factory=list, description="files of image hashes whose images end blocked, "
         "refused after decoding, before anything is written")
     image: ImageConfig = Field(default_factory=ImageConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_token(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "user_agent_token" in data:
+            raise ValueError("download.user_agent_token was replaced by download.user_agent, "
+                             "the whole User-Agent header, e.g. 'mybot/1.0 (+https://my.site/"
+                             "bot)': its product token (mybot) is matched in robots.txt and "
+                             "X-Robots-Tag")
+        return data
+
+    @field_validator("user_agent")
+    @classmethod
+    def _has_product_token(cls, value: str) -> str:
+        import re
+
+        if not re.match(r"[A-Za-z_-]+(/|\s|$)", value):
+            raise ValueError("download.user_agent must start with a product token of letters, "
+                             "'_' and '-' (RFC 9309 2.2.1), e.g. 'mybot/1.0 (+https://my.site)'")
+        return value
+
+    @property
+    def agent_token(self) -> str:
+        """The product token of ``user_agent``: what robots.txt groups are matched by (RFC
+        9309 2.2.1, case-insensitively)."""
+        return self.user_agent.split("/", 1)[0].split()[0]
 
     @field_validator("allow_addresses")
     @classmethod

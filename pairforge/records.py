@@ -56,7 +56,8 @@ STATUS_HELP: dict[Status, str] = {
     Status.TOO_LARGE: "body over download.max_bytes or image over download.image.max_pixels",
     Status.NOT_AN_IMAGE: "the body is not an image Pillow recognises",
     Status.DECODE_ERROR: "an image that fails to decode (truncated or corrupt)",
-    Status.OPTED_OUT: "opted out: X-Robots-Tag (noai, noimageai, ...) or an opt-out list "
+    Status.OPTED_OUT: "opted out: robots.txt, a TDM reservation (tdm-reservation header or "
+                      "tdmrep.json), X-Robots-Tag (noai, noimageai, ...) or an opt-out list "
                       "(download.opt_out_lists); opt_out_reason says which",
     Status.BLOCKED: "its sha256, pixel hash or perceptual hash is on a block list "
                     "(download.block_lists); nothing of it is written",
@@ -112,8 +113,8 @@ RAW_COLUMNS: list[pa.Field] = [
     # dedup only: YCbCr cell means, 8x8 of the whole, 4x4 of each crop region (288 bytes)
     pa.field("colour_grid", pa.binary()),
     pa.field("exif", pa.string()),
-    # opted_out rows: x_robots_tag or list (null otherwise; absent in shards written before
-    # it was added, which readers take as null)
+    # opted_out rows: robots, tdm, x_robots_tag or list (null otherwise; absent in shards
+    # written before it was added, which readers take as null)
     pa.field("opt_out_reason", pa.string()),
 ]
 

@@ -25,7 +25,6 @@ from pairforge.download.fetch import (
     Fetcher,
     FetchResult,
     robots_opt_out,
-    user_agent,
 )
 from pairforge.records import Status
 from pairforge.retry import backoff_seconds, parse_retry_after
@@ -97,11 +96,11 @@ def test_request_line_and_headers(http_server: LoopbackServer) -> None:
     assert seen["Host"] == f"127.0.0.1:{http_server.port}"
 
 
-def test_user_agent_token(http_server: LoopbackServer) -> None:
-    assert get(http_server, "/img/red.jpg", user_agent_token="mytoken").status == Status.OK
+def test_user_agent(http_server: LoopbackServer) -> None:
+    agent = "mytoken/2.0 (+https://example.org/bot)"
+    assert get(http_server, "/img/red.jpg", user_agent=agent).status == Status.OK
     (seen,) = http_server.headers_seen("/img/red.jpg")
-    assert seen["User-Agent"] == user_agent("mytoken")
-    assert seen["User-Agent"].startswith("pairforge/") and seen["User-Agent"].endswith("; mytoken")
+    assert seen["User-Agent"] == agent
 
 
 def test_non_ascii_path_is_quoted(fetcher: Fetcher, http_server: LoopbackServer) -> None:
@@ -442,10 +441,11 @@ def test_file_scheme_when_allowed(image_dir: Path, tmp_path: Path) -> None:
 ])
 def test_robots_header(http_server: LoopbackServer, value: str, opted_out: bool) -> None:
     path = "/robots/" + urllib.parse.quote(value) + "/red.jpg"
-    result = get(http_server, path, user_agent_token="mytoken")
+    result = get(http_server, path, user_agent="mytoken/1.0")
     assert result.status == (Status.OPTED_OUT if opted_out else Status.OK)
     if opted_out:
         assert result.body is None and result.error.startswith("X-Robots-Tag:")
+        assert result.opt_out_reason == "x_robots_tag"
 
 
 def test_robots_checked_before_body(http_server: LoopbackServer) -> None:

@@ -11,8 +11,10 @@ One ``Fetcher`` is shared by the fetch threads of a shard task. It differs from 
 * ``timeout`` is a deadline for a whole request (connect, headers and body of one try of
   one hop), enforced on every socket read, so a server that trickles bytes cannot hold a
   thread for longer; DNS lookups are the system resolver's and not covered;
-* bodies are capped while streaming, and ``X-Robots-Tag`` opt-outs are honoured before
-  the body is read;
+* bodies are capped while streaming, and ``X-Robots-Tag`` opt-outs and
+  ``tdm-reservation: 1`` are honoured before the body is read;
+* a ``gate`` (``download/consent.py``: robots.txt, tdmrep.json, Crawl-delay) is asked
+  before each hop whether the URL may be requested, and paces each request to its host;
 * no exception escapes ``fetch``: every failure is a ``Status`` and a short message.
 
 The client is http.client with the pool below, not urllib3: on urllib3 the same contract
@@ -38,15 +40,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
-from pairforge import __version__
-from pairforge.config import DownloadConfig
+from pairforge.config import DEFAULT_USER_AGENT, DownloadConfig
 from pairforge.download.address_guard import AddressGuard, BlockedAddress
 from pairforge.records import Status
 from pairforge.retry import parse_retry_after
 
-USER_AGENT = f"pairforge/{__version__} (+https://github.com/pairforge/pairforge)"
+USER_AGENT = DEFAULT_USER_AGENT
 AGENT_NAME = "pairforge"
+IMAGE_ACCEPT = "image/avif,image/webp,image/*,*/*;q=0.8"
 REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
 _CHUNK = 64 * 1024
 _DRAIN_LIMIT = 64 * 1024  # error bodies up to this size are read so the connection survives
@@ -61,7 +64,9 @@ class FetchResult:
     """The outcome of one ``Fetcher.fetch``; ``body`` is set only when status is OK.
 
     ``final_url`` is the last URL requested, or the redirect target that was refused;
-    ``http_status`` the last HTTP status received (None when no response came).
+    ``http_status`` the last HTTP status received (None when no response came);
+    ``opt_out_reason`` why an OPTED_OUT result opted out (``x_robots_tag``, ``tdm``,
+    ``robots``).
     """
 
     status: Status
@@ -69,11 +74,20 @@ class FetchResult:
     body: bytes | None = None
     http_status: int | None = None
     final_url: str | None = None
+    opt_out_reason: str | None = None
 
 
-def user_agent(token: str | None = None) -> str:
-    """The User-Agent header: ours, plus the operator's token so sites can name them."""
-    return f"{USER_AGENT}; {token}" if token else USER_AGENT
+Origin = tuple[str, str, int]  # (scheme, host, port): what robots.txt and tdmrep.json cover
+
+
+class RequestGate(Protocol):
+    """Consent and pacing per origin, asked by the fetcher (``download/consent.py``)."""
+
+    def admit(self, url: str, origin: Origin) -> FetchResult | None:
+        """None when ``url`` may be requested; else the row's outcome, no request made."""
+
+    def pace(self, origin: Origin) -> None:
+        """Wait until a request to ``origin`` keeps its spacing (Crawl-delay)."""
 
 
 def robots_opt_out(values: Iterable[str], directives: Iterable[str],
@@ -200,7 +214,7 @@ class _GuardedHTTPSConnection(http.client.HTTPSConnection):
 
 
 _Connection = _GuardedHTTPConnection | _GuardedHTTPSConnection
-_PoolKey = tuple[str, str, int]
+_PoolKey = tuple[str, str, int]  # an Origin
 
 
 def _looks_closed(conn: _Connection) -> bool:
@@ -289,9 +303,11 @@ class _Failure(Exception):
     """A finished, non-OK outcome raised from deep inside a request."""
 
     def __init__(self, status: Status, error: str, http_status: int | None = None,
-                 retryable: bool = False, retry_after: float | None = None) -> None:
+                 retryable: bool = False, retry_after: float | None = None,
+                 opt_out_reason: str | None = None) -> None:
         super().__init__(error)
-        self.result = FetchResult(status, _short(error), http_status=http_status)
+        self.result = FetchResult(status, _short(error), http_status=http_status,
+                                  opt_out_reason=opt_out_reason)
         self.retryable = retryable
         self.retry_after = retry_after
 
@@ -311,7 +327,7 @@ class _Target:
     path: str  # request target: path plus query, ASCII
 
     @property
-    def key(self) -> _PoolKey:
+    def key(self) -> Origin:
         return (self.scheme, self.host, self.port)
 
 
@@ -372,11 +388,19 @@ def _connection_failure(err: BaseException) -> _Failure:
 
 
 class Fetcher:
-    """Thread-safe HTTP(S) downloader; see the module docstring for what it guarantees."""
+    """Thread-safe HTTP(S) downloader; see the module docstring for what it guarantees.
+
+    ``gate``: consent and pacing per origin (none: every URL may be fetched at once);
+    ``truncate``: a body over ``max_bytes`` is cut there instead of failing TOO_LARGE
+    (robots.txt: its first 500 KiB are parsed); ``accept``: the Accept header.
+    """
 
     def __init__(self, cfg: DownloadConfig, *, ssl_context: ssl.SSLContext | None = None,
-                 max_idle_connections: int = 256) -> None:
+                 max_idle_connections: int = 256, gate: RequestGate | None = None,
+                 truncate: bool = False, accept: str = IMAGE_ACCEPT) -> None:
         self.cfg = cfg
+        self.gate = gate
+        self.truncate = truncate
         self.guard = AddressGuard(cfg.allow_addresses)
         # One verifying context for every connection (wrap_socket is thread-safe), made at
         # the first https URL: loading the CA store costs ~60 ms of CPU per shard task.
@@ -385,11 +409,8 @@ class Fetcher:
         self._pool = _ConnectionPool(cfg.per_host_connections, max_idle_connections)
         self._host_slots: dict[str, threading.BoundedSemaphore] = {}
         self._slots_lock = threading.Lock()
-        self._agents = [AGENT_NAME] + ([cfg.user_agent_token] if cfg.user_agent_token else [])
-        self._headers = {
-            "User-Agent": user_agent(cfg.user_agent_token),
-            "Accept": "image/avif,image/webp,image/*,*/*;q=0.8",
-        }
+        self._agents = [AGENT_NAME, cfg.agent_token]
+        self._headers = {"User-Agent": cfg.user_agent, "Accept": accept}
 
     # public -------------------------------------------------------------------------
 
@@ -423,6 +444,10 @@ class Fetcher:
         target = _parse_target(url)
         seen = {target.url}
         for _ in range(self.cfg.max_redirects + 1):
+            refused = self.gate.admit(target.url, target.key) if self.gate else None
+            if refused is not None:  # every hop asks: a redirect may lead to another host
+                refused.final_url = target.url
+                return refused
             try:
                 outcome = self._get_with_retries(target)
             except _Failure as failure:
@@ -518,6 +543,8 @@ class Fetcher:
     def _attempt(self, target: _Target) -> FetchResult | _Redirect:
         """One request/response exchange, holding one of the host's slots throughout."""
         with self._host_slot(target.host):
+            if self.gate:
+                self.gate.pace(target.key)  # inside the slot: the spacing holds on the wire
             deadline_at = time.monotonic() + self.cfg.timeout
             conn, response = self._send(target, deadline_at)
             try:
@@ -597,14 +624,20 @@ class Fetcher:
         return FetchResult(Status.OK, None, body=body, http_status=code)
 
     def _check_robots(self, response: http.client.HTTPResponse, code: int) -> None:
+        if self.cfg.tdm and (response.getheader("tdm-reservation") or "").strip() == "1":
+            raise _Failure(Status.OPTED_OUT, "tdm-reservation: 1 (TDM rights reserved)",
+                           http_status=code, opt_out_reason="tdm")
         if not self.cfg.respect_robots:
             return
         values = response.headers.get_all("X-Robots-Tag") or []
         hit = robots_opt_out(values, self.cfg.robots_directives, self._agents)
         if hit is not None:
-            raise _Failure(Status.OPTED_OUT, f"X-Robots-Tag: {hit}", http_status=code)
+            raise _Failure(Status.OPTED_OUT, f"X-Robots-Tag: {hit}", http_status=code,
+                           opt_out_reason="x_robots_tag")
 
     def _check_length(self, response: http.client.HTTPResponse, code: int) -> None:
+        if self.truncate:
+            return  # the body is cut at the cap instead
         length = response.getheader("Content-Length")
         if length and length.strip().isdigit() and int(length) > self.cfg.max_bytes:
             raise _Failure(Status.TOO_LARGE,
@@ -625,6 +658,10 @@ class Fetcher:
                 if not data:
                     return bytes(body)
                 body += data
+                if len(body) > cap and self.truncate:
+                    response.will_close = True  # the rest is unread: the connection goes
+                    response.close()
+                    return bytes(body[:cap])
                 if len(body) > cap:
                     raise _Failure(Status.TOO_LARGE, f"body over {cap} bytes",
                                    http_status=code)

@@ -19,11 +19,13 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlsplit
 
 import fsspec
 
 from pairforge.config import PairforgeConfig
 from pairforge.download.alt_text import invalid_error, read_alt_text
+from pairforge.download.consent import make_gate
 from pairforge.download.fetch import Fetcher, FetchResult
 from pairforge.download.imageproc import ImageFailure, ProcessedImage, process_image
 from pairforge.download.inputs import InputShard, read_shard_rows
@@ -109,9 +111,8 @@ class ShardDownloader:
         fetched = self._fetch(row["url"], source)
         record["http_status"] = fetched.http_status
         if fetched.status != Status.OK:
-            reason = "x_robots_tag" if fetched.status == Status.OPTED_OUT else None
             return {**record, "status": fetched.status.value, "error": fetched.error,
-                    "opt_out_reason": reason}, None
+                    "opt_out_reason": fetched.opt_out_reason}, None
         with self.image_slots:
             image = process_image(fetched.body, self.cfg.download.image)
         if isinstance(image, ImageFailure):
@@ -135,14 +136,34 @@ def _sample_meta(record: dict[str, Any]) -> dict[str, Any]:
     return json_safe({k: v for k, v in record.items() if v is not None and k not in skip})
 
 
+def _opt_out_counts(opted_out: Counter) -> dict[str, Any]:
+    """Opted-out rows per reason, and per host and reason (``opted_out``: (host, reason))."""
+    hosts: dict[str, dict[str, int]] = defaultdict(dict)
+    for (host, reason), count in sorted(opted_out.items()):
+        hosts[host][reason] = count
+    reasons: Counter = Counter()
+    for (_, reason), count in opted_out.items():
+        reasons[reason] += count
+    return {"opted_out": dict(sorted(reasons.items())), "hosts": dict(hosts)}
+
+
+def _host(url: str | None) -> str:
+    try:
+        return urlsplit(url or "").netloc.lower() or "(none)"
+    except ValueError:
+        return "(none)"
+
+
 def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, Any],
-                   progress: ProgressFn | None = None, lists: Lists | None = None
-                   ) -> dict[str, Any]:
+                   progress: ProgressFn | None = None, lists: Lists | None = None,
+                   run_id: str | None = None) -> dict[str, Any]:
     """Download one shard and write its tar, parquet and (last) stats file; a part of a
     shard (``shard.parts`` > 1) writes its tar and parquet, and its stats are returned for
     ``shards.raw.merge_parts``. ``settings``: the run's settings record, written into the
     stats so that reruns know what made the shard (the runner computes it once);
-    ``lists``: the run's opt-out and block lists (``download/lists.py``), loaded once."""
+    ``lists``: the run's opt-out and block lists (``download/lists.py``), loaded once;
+    ``run_id``: names the node's cache of robots.txt and tdmrep.json files that the run's
+    tasks share (``download/consent.py``)."""
     started = time.time()
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(RAW_FOLDER)
@@ -151,13 +172,15 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, 
     digits = index_digits(cfg.input.shard_size)
     for i, row in enumerate(rows, start=shard.first_row):
         row["key"] = make_key(shard.shard_id, i, digits)
-    fetcher = Fetcher(cfg.download)
+    gate = make_gate(cfg.download, run_id)
+    fetcher = Fetcher(cfg.download, gate=gate)
     worker = ShardDownloader(cfg, fetcher, _read_tar_members(
         [r["source"] for r in rows if (r["source"] or "").startswith("tar:")],
         cfg.input.storage_options), lists)
     writer = RawShardWriter(out, RAW_FOLDER, shard.shard_id, extras,
                             (shard.part, shard.parts) if shard.parts > 1 else None)
     pending: Counter = Counter()
+    opted_out: Counter = Counter()  # (host, reason)
     last_report = time.monotonic()
     try:
         with ThreadPoolExecutor(cfg.download.threads) as pool:
@@ -166,6 +189,8 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, 
                 writer.add(record, image.data if image else None,
                            image.format if image else None, _sample_meta(record))
                 pending[record["status"]] += 1
+                if record.get("opt_out_reason"):
+                    opted_out[_host(record.get("url")), record["opt_out_reason"]] += 1
                 if progress and time.monotonic() - last_report > 0.5:
                     worker.use_slots(progress(pending) or 1)
                     pending, last_report = Counter(), time.monotonic()
@@ -174,11 +199,15 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, 
         raise
     finally:
         fetcher.close()
+        if gate:
+            gate.close()
     if progress and pending:
         progress(pending)
     return writer.close({"stage": "download",
                          "settings": settings,
                          "start_time": started, "end_time": time.time(),
                          "duration_s": round(time.time() - started, 3),
-                         "config": json.loads(cfg.download.model_dump_json())})
+                         "config": json.loads(cfg.download.model_dump_json()),
+                         "consent": {**_opt_out_counts(opted_out),
+                                     **(gate.stats() if gate else {})}})
 

@@ -4,11 +4,13 @@ resume, live progress and a summary; the shard's work itself is ``download.shard
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from pairforge.config import ConfigError, PairforgeConfig
+from pairforge.download.consent import remove_cache
 from pairforge.download.folder_server import bundled_sample_table, serve_directory
 from pairforge.download.inputs import (
     BUNDLED_SAMPLE,
@@ -102,11 +104,12 @@ def task_errors_raised() -> Iterator[None]:
 
 
 def _download_task(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, Any],
-                   counter: Any, lists: Lists | None) -> dict[str, Any]:
+                   counter: Any, lists: Lists | None, run_id: str) -> dict[str, Any]:
     import ray
 
     return download_shard(shard, cfg, settings,
-                          progress=lambda c: ray.get(counter.add.remote(dict(c))), lists=lists)
+                          progress=lambda c: ray.get(counter.add.remote(dict(c))), lists=lists,
+                          run_id=run_id)
 
 
 def _lists_task(cfg: PairforgeConfig) -> tuple[int, Lists | None]:
@@ -175,11 +178,16 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
             merged.append(stats["shard"])
 
         settings = settings_record(stage_settings(cfg, "download"))
+        # names the node-local cache of robots.txt and tdmrep.json the run's tasks share
+        run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}"
         started = time.time()
-        with display, task_errors_raised():
-            _run_bounded(tail_parts(todo, limit), lambda s: task.remote(s, cfg, settings, counter,
-                                                                   lists),
-                         limit, tick, done_task, on_slots=counter.share.remote)
+        try:
+            with display, task_errors_raised():
+                _run_bounded(tail_parts(todo, limit),
+                             lambda s: task.remote(s, cfg, settings, counter, lists, run_id),
+                             limit, tick, done_task, on_slots=counter.share.remote)
+        finally:
+            remove_cache(run_id)  # this node's; the temp folders of others keep theirs
         ray.kill(counter)
         seconds = time.time() - started
     # A task attempt killed with its node leaves its temporary file; its retry wrote the

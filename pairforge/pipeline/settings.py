@@ -37,7 +37,7 @@ from pairforge.stage import setting_values
 DOWNLOAD_SECTIONS = {"input": ("storage_options",),
                      "download": ("threads", "image_threads", "processes",
                                   "per_host_connections", "timeout", "retries", "backoff",
-                                  "max_retry_after", "user_agent_token")}
+                                  "max_retry_after", "user_agent")}
 PROCESS_SECTIONS = ("dedup", "process.tasks")  # the dedup decisions; the writer's task labels
 # The version of what each stage writes for given settings. Bump it with any change that
 # makes a stage write other bytes under the same settings (tests/test_golden.py fails on
@@ -63,6 +63,9 @@ ADDED_SETTINGS: dict[str, Any] = {
     "process.clip.score": "training",
     "process.recaption.second_prompt": None,
     "process.recaption.input_resolution": None,
+    # the product token of download.user_agent (the header itself, with its version and
+    # contact URL, is not a setting): robots.txt groups and X-Robots-Tag match by it
+    "download.agent_token": "pairforge",
 }
 _SAMPLE_BYTES = 1 << 20  # a model file is fingerprinted by its size and its ends
 
@@ -103,6 +106,7 @@ def _stage_settings(cfg: PairforgeConfig, stage: str) -> dict[str, Any]:
         for section, speed in DOWNLOAD_SECTIONS.items():
             values.update(setting_values(getattr(cfg, section), f"{section}.", speed))
         values.update(list_fingerprints(cfg.download, cfg.input.storage_options))
+        values["download.agent_token"] = cfg.download.agent_token.lower()
         return values
     for section in PROCESS_SECTIONS:
         config = functools.reduce(getattr, section.split("."), cfg)

@@ -107,6 +107,10 @@ def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]]) -> dic
     stats = {**{k: v for k, v in parts[0].items() if k != "part"},
              "start_time": start, "end_time": end, "duration_s": round(end - start, 3),
              "parts": count, **_row_counts(table["status"].to_pylist())}
+    if "consent" in parts[0]:  # stage 1's counts per reason and host: every part's
+        from pairforge.download.consent import merge_stats
+
+        stats["consent"] = merge_stats([p["consent"] for p in parts])
     out.write_json(stats, folder, stats_name(shard_id))
     for name in names:
         out.remove(folder, f"{name}.tar")
