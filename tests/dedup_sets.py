@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from pairforge.filters.dedup import find_duplicates, next_index
 from pairforge.filters.dedup_parts import read_hash_columns, read_index
+from pairforge.filters.hashing import CROP_FRACTIONS
 from pairforge.records import Status, make_key, raw_schema
 
 REGIONS = 4
@@ -53,9 +54,9 @@ def _grid(rng: np.random.Generator, base: np.ndarray | None = None,
           mirrored: bool = False) -> bytes:
     """A colour grid: ``base`` within 4 levels (mirrored left-right), or a random one."""
     if base is None:
-        return rng.integers(0, 256, (8, 8, 3), dtype=np.int16).astype(np.uint8).tobytes()
+        return _with_regions(rng.integers(0, 256, (8, 8, 3), dtype=np.int16))
     grid = base[:, ::-1] if mirrored else base
-    return np.clip(grid + rng.integers(-4, 5, grid.shape), 0, 255).astype(np.uint8).tobytes()
+    return _with_regions(np.clip(grid + rng.integers(-4, 5, grid.shape), 0, 255))
 
 
 def _other_colour(rng: np.random.Generator, base: np.ndarray) -> bytes:
@@ -63,7 +64,15 @@ def _other_colour(rng: np.random.Generator, base: np.ndarray) -> bytes:
     orientations (a recoloured object)."""
     grid = base.copy()
     grid[3, 2:6, 1] = (grid[3, 2:6, 1] + 128) % 256
-    return grid.astype(np.uint8).tobytes()
+    return _with_regions(grid)
+
+
+def _with_regions(whole: np.ndarray) -> bytes:
+    """The 8x8 grid's bytes followed by each centre region's 4x4 grid, taken here as the
+    whole grid pooled 2x2 (the generated hashes have no image to cut)."""
+    pooled = whole.reshape(4, 2, 4, 2, 3).mean(axis=(1, 3)).round()
+    regions = [pooled.astype(np.uint8).tobytes()] * len(CROP_FRACTIONS)
+    return b"".join([whole.astype(np.uint8).tobytes(), *regions])
 
 
 def generated_rows(seed: int, families: int = 60, chain_rows: int = 0) -> list[dict]:
@@ -93,7 +102,7 @@ def generated_rows(seed: int, families: int = 60, chain_rows: int = 0) -> list[d
     bases = _random_hashes(rng, (families, 2 + REGIONS))
     for f in range(families):
         base = bases[f]
-        colour["base"] = np.frombuffer(_grid(rng), np.uint8).reshape(8, 8, 3).astype(np.int16)
+        colour["base"] = np.frombuffer(_grid(rng)[:192], np.uint8).reshape(8, 8, 3).astype(np.int16)
         add(base, fresh())
         for _ in range(int(rng.integers(0, 4))):
             kind = rng.choice(["exact", "sha", "near", "mirror", "crop", "chain", "older",
@@ -139,7 +148,7 @@ def generated_rows(seed: int, families: int = 60, chain_rows: int = 0) -> list[d
         points[0] = value
         add(points, fresh())
     link = _random_hashes(rng, (2 + REGIONS,))
-    colour["base"] = np.frombuffer(_grid(rng), np.uint8).reshape(8, 8, 3).astype(np.int16)
+    colour["base"] = np.frombuffer(_grid(rng)[:192], np.uint8).reshape(8, 8, 3).astype(np.int16)
     for _ in range(chain_rows):  # a long chain: one component, mostly indirect
         link = _flip(rng, link, 2)
         add(link, fresh(), size=int(rng.integers(50, 400)))

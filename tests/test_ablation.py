@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pairforge.download.alt_text import read_alt_text
 from pairforge.scenes.world import parse_caption, scenes
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "ablation.py"
@@ -21,9 +22,11 @@ def ablation():
     return module
 
 
-def test_input_table_corrupts_training_rows_only(ablation, tmp_path):
+@pytest.mark.parametrize("junk", [0.0, 0.1])
+def test_input_table_corrupts_training_rows_only(ablation, tmp_path, junk):
     train, held = scenes(400), scenes(100, "heldout")
-    path = ablation.write_input(tmp_path, "http://127.0.0.1:9", train, held, share=0.5)
+    path = ablation.write_input(tmp_path, "http://127.0.0.1:9", train, held, share=0.5,
+                                junk=junk)
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 500
@@ -33,6 +36,9 @@ def test_input_table_corrupts_training_rows_only(ablation, tmp_path):
     assert sum(exact) == 200  # exactly half the training alt-text is right
     assert all(r["caption"] == s.sentence for r, s in zip(rows[400:], held, strict=True))
     assert all(r["caption"].endswith(".") for r in rows if parse_caption(r["caption"]))
+    unusable = [read_alt_text(r["caption"].encode()).issue is not None for r in rows]
+    assert sum(unusable) == round(junk * 400)  # web junk, in the training rows only
+    assert not any(unusable[400:])
 
 
 def test_summaries_are_means_and_spreads(ablation):
