@@ -19,6 +19,7 @@ class Status(StrEnum):
     DOWNLOAD_ERROR = "download_error"  # connection refused/reset, DNS failure, bad response
     HTTP_ERROR = "http_error"  # a 4xx/5xx status after retries
     TIMEOUT = "timeout"  # connect or read exceeded download.timeout
+    HOST_PAUSED = "host_paused"  # the host's circuit breaker stayed open to the run's end
     TOO_LARGE = "too_large"  # body over max_bytes, or decoded pixels over max_pixels
     NOT_AN_IMAGE = "not_an_image"  # body is not a format Pillow recognises (HTML, text, ...)
     DECODE_ERROR = "decode_error"  # recognised image that fails to decode (truncated, corrupt)
@@ -53,6 +54,8 @@ STATUS_HELP: dict[Status, str] = {
     Status.DOWNLOAD_ERROR: "connection failed or the server answered nonsense",
     Status.HTTP_ERROR: "HTTP 4xx/5xx (after retries for 429/5xx)",
     Status.TIMEOUT: "connect or read took longer than download.timeout",
+    Status.HOST_PAUSED: "the host failed download.host_failures requests in a row and was "
+                        "paused; it had not recovered when the run ended",
     Status.TOO_LARGE: "body over download.max_bytes or image over download.image.max_pixels",
     Status.NOT_AN_IMAGE: "the body is not an image Pillow recognises",
     Status.DECODE_ERROR: "an image that fails to decode (truncated or corrupt)",
