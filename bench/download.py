@@ -6,6 +6,7 @@
     python bench/download.py --set download.per_host_connections=64
     python bench/download.py --setups --repeats 2  # the four setups of issue 18
     python bench/download.py --only pairforge --rows 100000   # peak RSS at 10^5 rows
+    python bench/download.py --consent --repeats 3  # robots.txt + tdmrep.json served, allow all
 
 Prerequisite: nginx (``apt-get update && apt-get install -y nginx-light``). The bench starts
 it itself from a temporary config (bench/webhost.py: no system service, one worker,
@@ -26,6 +27,12 @@ the whole command, CPU ms per image summed over the whole process tree (driver a
 worker), the web server's CPU, and the peak of the process tree's summed RSS (sampled
 every 0.2 s). pairforge computes sha256, the pixel hash and the perceptual hash;
 img2dataset sha256 only.
+
+``--consent`` serves a robots.txt and a tdmrep.json that allow everything and runs pairforge
+twice per repeat, adjacent to img2dataset: with robots.txt and TDM checks off
+(``pairforge-off``, the stage as it was before issue 36) and at its defaults, which fetch
+and obey both files (``pairforge``), so the cost of consent shows as the change of the
+ratio against img2dataset.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ I2D_VENV = ROOT / "bench" / ".venv-img2dataset"
 I2D_PYTHON = I2D_VENV / "bin" / "python"
 I2D_VERSION = "img2dataset==1.47.0"
 TOOLS = ("img2dataset", "pairforge")
+CONSENT_OFF = ["download.robots_txt=false", "download.tdm=false"]
+ALLOW_ALL = {"robots.txt": "User-agent: *\nAllow: /\n", ".well-known/tdmrep.json": "[]\n"}
 
 # The four setups of issue 18: (name, hosts, photos, rows, pairforge --set overrides).
 SETUPS = [
@@ -144,6 +153,8 @@ def tail_seconds(stats: list[dict], processes: int) -> float:
 
 def run_tool(tool: str, inp: Path, out: Path, rows: int, server_pids: list[int],
              args: argparse.Namespace, overrides: list[str]) -> Run:
+    if tool == "pairforge-off":
+        overrides = [*overrides, *CONSENT_OFF]
     cmd = (img2dataset_cmd(inp, out, args) if tool == "img2dataset"
            else pairforge_cmd(inp, out, args, overrides))
     server_before = cpu_seconds(server_pids)
@@ -169,6 +180,10 @@ def run_setup(name: str, hosts_n: int, photos: str, rows: int, overrides: list[s
               args: argparse.Namespace) -> list[Run]:
     folder = photo_set(photos)
     names = sorted(p.name for p in folder.glob("*.jpg"))
+    consent_files = [folder / name for name in ALLOW_ALL] if args.consent else []
+    for path in consent_files:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(ALLOW_ALL[str(path.relative_to(folder))])
     hosts = start_hosts(folder, hosts_n, args.server)
     load = os.getloadavg()[0]
     print(f"\n## {name}: {rows} rows, {hosts_n} host(s), {hosts.server}; {describe(folder)}; "
@@ -179,6 +194,8 @@ def run_setup(name: str, hosts_n: int, photos: str, rows: int, overrides: list[s
             inp = Path(tmp) / "input.parquet"
             make_input(hosts.base_urls, names, rows, inp)
             tools = [t for t in TOOLS if args.only in (None, t)]
+            if args.consent:
+                tools.insert(1, "pairforge-off")
             for repeat in range(args.repeats):
                 order = tools if repeat % 2 == 0 else tools[::-1]
                 for tool in order:
@@ -188,28 +205,33 @@ def run_setup(name: str, hosts_n: int, photos: str, rows: int, overrides: list[s
                     runs.append(run)
     finally:
         hosts.close()
-    summarise(runs)
+        for path in consent_files:
+            path.unlink()
+    summarise(runs, len(tools))
     return runs
 
 
-def summarise(runs: list[Run]) -> None:
-    """Median images/s and CPU ms per image per tool and, with both, their ratios."""
+def summarise(runs: list[Run], per_repeat: int = 2) -> None:
+    """Median images/s and CPU ms per image per tool and, with img2dataset, their ratios."""
     rates, cpus = {}, {}
-    for tool in TOOLS:
+    for tool in dict.fromkeys(r.tool for r in runs):
         mine = [r for r in runs if r.tool == tool]
         if mine:
             rates[tool] = sorted(r.rate for r in mine)[len(mine) // 2]
             cpus[tool] = sorted(r.cpu_per_image for r in mine)[len(mine) // 2]
-    if len(rates) == 2:
-        print(f"ratio pairforge/img2dataset (medians of {len(runs) // 2} run(s) each): "
-              f"images/s {rates['pairforge'] / rates['img2dataset']:.2f}x, "
-              f"CPU per image {cpus['img2dataset'] / cpus['pairforge']:.2f}x less", flush=True)
-        # The machine's speed drifts over minutes; the two runs of one repeat are adjacent
-        # in time, so their ratio is the comparison that drift disturbs least.
-        pairs = [{r.tool: r for r in runs[i:i + 2]} for i in range(0, len(runs) - 1, 2)]
-        speed = [p["pairforge"].rate / p["img2dataset"].rate for p in pairs]
-        cpu = [p["img2dataset"].cpu_per_image / p["pairforge"].cpu_per_image for p in pairs]
-        print("ratio per repeat (adjacent runs): images/s "
+    if "img2dataset" not in rates:
+        return
+    # The machine's speed drifts over minutes; the runs of one repeat are adjacent in time,
+    # so their ratios are the comparison that drift disturbs least.
+    repeats = [{r.tool: r for r in runs[i:i + per_repeat]}
+               for i in range(0, len(runs) - per_repeat + 1, per_repeat)]
+    for tool in [t for t in rates if t != "img2dataset"]:
+        print(f"ratio {tool}/img2dataset (medians of {len(repeats)} run(s) each): "
+              f"images/s {rates[tool] / rates['img2dataset']:.2f}x, "
+              f"CPU per image {cpus['img2dataset'] / cpus[tool]:.2f}x less", flush=True)
+        speed = [p[tool].rate / p["img2dataset"].rate for p in repeats]
+        cpu = [p["img2dataset"].cpu_per_image / p[tool].cpu_per_image for p in repeats]
+        print("  per repeat (adjacent runs): images/s "
               + ", ".join(f"{x:.2f}x" for x in speed) + "; CPU per image "
               + ", ".join(f"{x:.2f}x" for x in cpu), flush=True)
 
@@ -230,6 +252,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=32)
     parser.add_argument("--shard-size", type=int, default=1000)
     parser.add_argument("--verbose", action="store_true", help="CPU and RSS per process")
+    parser.add_argument("--consent", action="store_true",
+                        help="serve allow-all robots.txt/tdmrep.json; pairforge with and "
+                             "without its consent checks")
     args = parser.parse_args()
     if args.only != "pairforge":
         ensure_img2dataset()
