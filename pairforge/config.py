@@ -197,6 +197,10 @@ class DedupConfig(Strict):
     max_distance: int = Field(
         4, ge=0, le=16,
         description="largest phash Hamming distance counted as a near duplicate")
+    perceptual: bool = Field(
+        True, description="search near, mirrored and cropped copies by perceptual hash; "
+        "false: exact duplicates only (pixel hash, sha256), for images too small or too "
+        "alike for a phash to tell apart")
     max_colour_distance: int | None = Field(
         32, ge=0, le=255, description="never merge two images whose 8x8 colour grids "
         "(mean Y, Cb, Cr per cell) differ by more than this in a cell (the better "

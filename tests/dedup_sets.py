@@ -175,15 +175,16 @@ def index_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.parquet")) if path.is_dir() else [path]
 
 
-def oracle(raw: Path, indexes: list[Path], max_distance: int, source: str
-           ) -> tuple[pa.Table, dict, pa.Table]:
+def oracle(raw: Path, indexes: list[Path], max_distance: int, source: str,
+           perceptual: bool = True) -> tuple[pa.Table, dict, pa.Table]:
     """The single-process decision over the same files in the stage's order: duplicates,
     stats and the next index."""
     rows = pa.concat_tables([read_hash_columns(str(f), {})[0]
                              for f in sorted(raw.glob("*.parquet"))])
     files = [f for path in indexes for f in index_files(path)]
     index = pa.concat_tables([read_index(str(f), {}) for f in files]) if files else None
-    result = find_duplicates(rows, max_distance, index, max_colour_distance=COLOUR_BOUND)
+    result = find_duplicates(rows, max_distance, index, max_colour_distance=COLOUR_BOUND,
+                             perceptual=perceptual)
     return result.duplicates, result.stats, next_index(rows, result.duplicates, source,
                                                        index)
 

@@ -60,9 +60,10 @@ def run_stage(raw: Path, out: Path, cfg: DedupConfig, **kwargs) -> dict:
 
 
 def assert_same(raw: Path, out: Path, stats: dict, indexes: list[Path], source: str,
-                max_distance: int = T) -> dict:
+                max_distance: int = T, perceptual: bool = True) -> dict:
     """The stage's outputs equal the oracle's over the same files; returns its stats."""
-    expected, expected_stats, expected_index = oracle(raw, indexes, max_distance, source)
+    expected, expected_stats, expected_index = oracle(raw, indexes, max_distance, source,
+                                                      perceptual)
     found = pq.read_table(out / "duplicates.parquet")
     assert found.equals(expected)
     assert {k: stats[k] for k in DECISION_STATS} == expected_stats
@@ -131,6 +132,22 @@ def test_without_near_search_and_with_one_partition(tmp_path, ray_local):
         out = tmp_path / f"out{distance}"
         stats = run_stage(tmp_path / "raw", out, DedupConfig(max_distance=distance))
         assert_same(tmp_path / "raw", out, stats, [], str(tmp_path), distance)
+
+
+def test_exact_only_drops_exact_copies_and_nothing_else(tmp_path, ray_local):
+    """dedup.perceptual false: near, mirrored and cropped copies all stay; rows with the
+    same pixels or bytes still go, as in the single process."""
+    rows = generated_rows(5, families=40)
+    write_raw(tmp_path / "raw", rows, shards=2)
+    near = run_stage(tmp_path / "raw", tmp_path / "near", DedupConfig())
+    exact = run_stage(tmp_path / "raw", tmp_path / "exact", DedupConfig(perceptual=False))
+    assert_same(tmp_path / "raw", tmp_path / "exact", exact, [], str(tmp_path),
+                perceptual=False)
+    kinds = pq.read_table(tmp_path / "exact" / "duplicates.parquet")["kind"].to_pylist()
+    assert kinds and set(kinds) == {Status.DUPLICATE_EXACT.value}
+    assert exact["near_pairs"] == 0 and exact["duplicate_near"] == 0
+    assert exact[Status.DUPLICATE_EXACT.value] == near[Status.DUPLICATE_EXACT.value]
+    assert exact["duplicates"] < near["duplicates"]
 
 
 # ------------------------------------------------------------------------ the machinery

@@ -833,7 +833,8 @@ def _stats(duplicates: pa.Table, from_index: np.ndarray, labels: np.ndarray,
 
 def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = None,
                     mapper: CombosMapper | None = None,
-                    max_colour_distance: int | None = None) -> DedupResult:
+                    max_colour_distance: int | None = None,
+                    perceptual: bool = True) -> DedupResult:
     """Decide which of ``rows`` (ROWS_SCHEMA, ok rows) are duplicates, in this process:
     the single-process reference of stage 2 (see the module docstring).
 
@@ -842,15 +843,18 @@ def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = 
     that are missing, degenerate or dense stay out of the perceptual join (a row whose
     hashes all are only takes part in the exact join). ``mapper`` runs the band
     combinations (locally by default; the stage passes a Ray one);
-    ``max_colour_distance``: the colour check (:func:`colour_groups`; None: off).
+    ``max_colour_distance``: the colour check (:func:`colour_groups`; None: off);
+    ``perceptual``: False leaves every row out of the perceptual join (exact only).
     """
     _check_unique_keys(rows["key"])
     table, from_index = _combined(rows, index)
     points, valid = points_of(table)
-    values, node = _hash_nodes(points, valid & ~is_degenerate(points))
+    informative = valid & ~is_degenerate(points)
+    values, node = _hash_nodes(points, informative & perceptual)
     near = near_pairs(values, max_distance, mapper)
     node[np.isin(node, near.dense)] = -1  # dense hashes leave the perceptual join too
-    uninformative = valid[:, _WHOLE] & (node[:, _WHOLE] < 0)
+    uninformative = valid[:, _WHOLE] & (node[:, _WHOLE] < 0 if perceptual
+                                        else ~informative[:, _WHOLE])
     graph = _Graph(len(table), exact_codes(table["exact"]), values, node, near.pairs)
     rank = survivor_rank(table, from_index)
     components = graph.components()

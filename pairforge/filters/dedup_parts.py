@@ -128,6 +128,7 @@ class Work:
     parts: int  # partitions of rows, keys, exact hashes, values and links
     max_distance: int
     max_colour_distance: int | None = None  # filters/dedup.colour_groups (None: off)
+    perceptual: bool = True  # False: no row's hashes enter the near join (exact only)
 
     def fs(self) -> fsspec.AbstractFileSystem:
         return fsspec.core.url_to_fs(self.root, **self.storage_options)[0]
@@ -264,6 +265,8 @@ def scatter(work: Work, unit: int, files: list[InputFile]) -> dict[str, Any]:
     _write_exact(fs, work.file("exact", unit), table, parts)
     points, valid = points_of(table)
     usable = valid & ~is_degenerate(points)
+    degenerate_whole = valid[:, _WHOLE] & ~usable[:, _WHOLE] & new
+    usable &= work.perceptual
     rows, cols = np.nonzero(usable)
     values = pa.table({"value": points[rows, cols], "pos": pos[rows],
                        "new_whole": (cols == _WHOLE) & new[rows]}, schema=VALUE_SCHEMA)
@@ -272,7 +275,7 @@ def scatter(work: Work, unit: int, files: list[InputFile]) -> dict[str, Any]:
     return {"status": dict(status), "ok_rows": int(new.sum()),
             "index_rows": int((~new).sum()), "unhashed_index_rows": unhashed,
             "missing_phash": int((~whole_ok & new).sum()),
-            "degenerate_whole": int((whole_ok & ~usable[:, _WHOLE] & new).sum()),
+            "degenerate_whole": int(degenerate_whole.sum()),
             "key_sample": _key_sample(keys)}
 
 

@@ -318,7 +318,7 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
     _remove(fs, work_path)  # what an interrupted run left: this run redoes all of it
     work = Work(fs.unstrip_protocol(work_path), opts,
                 partition_count(sum(counts), cluster_cpus()), cfg.max_distance,
-                cfg.max_colour_distance)
+                cfg.max_colour_distance, cfg.perceptual)
     units = _units(inputs, counts)
     read = _read_phase(tasks, work, units)
     read_s = time.perf_counter() - started

@@ -55,6 +55,7 @@ ADDED_SETTINGS: dict[str, Any] = {
     # the semantic pass's own inputs digest records them (it reruns when they change)
     "dedup.semantic.max_clusters": 50_000,
     "dedup.semantic.sample_rows": 131_072,
+    "dedup.perceptual": True,
     "download.opt_out_lists": [],
     "download.block_lists": [],
     # issue 35: a recaption-first build keeps rows without usable alt-text in stage 1 and
