@@ -140,10 +140,14 @@ def test_500_without_retries(http_server: LoopbackServer) -> None:
     assert http_server.hits("/flaky/b") == 1
 
 
-def test_backoff_doubles(http_server: LoopbackServer) -> None:
+def test_backoff_is_jittered_within_its_doubling_bound(http_server: LoopbackServer) -> None:
+    """Full jitter (download/politeness.py): each wait is in [0, backoff x 2^attempt],
+    so the two waits of three tries add up to at most 0.1 + 0.2 s."""
     start = time.monotonic()
-    get(http_server, "/status/503", retries=2, backoff=0.1)
-    assert time.monotonic() - start >= 0.1 + 0.2
+    result = get(http_server, "/status/503", retries=2, backoff=0.1)
+    assert result.status == Status.HTTP_ERROR and "after 3 tries" in result.error
+    assert http_server.hits("/status/503") == 3
+    assert time.monotonic() - start < 0.1 + 0.2 + 0.5
 
 
 @pytest.mark.parametrize("form", ["secs=1", "secs=1&date=1"])

@@ -7,7 +7,9 @@ One ``Fetcher`` is shared by the fetch threads of a shard task. It differs from 
   to the vetted IP itself, so DNS rebinding cannot slip a private address past the guard;
 * idle connections are pooled per (scheme, host, port) and reused across calls and
   threads (HTTP/1.1 keep-alive), which saves a TCP (and TLS) handshake per image;
-* at most ``per_host_connections`` requests are in flight per host;
+* at most ``per_host_connections`` requests are in flight per host, at most
+  ``per_host_requests_per_s`` start per second, retries back off with jitter, and a host
+  that keeps failing is paused, then given up (``download/politeness.py``);
 * ``timeout`` is a deadline for a whole request (connect, headers and body of one try of
   one hop), enforced on every socket read, so a server that trickles bytes cannot hold a
   thread for longer; DNS lookups are the system resolver's and not covered;
@@ -44,6 +46,7 @@ from typing import Protocol
 
 from pairforge.config import DEFAULT_USER_AGENT, DownloadConfig
 from pairforge.download.address_guard import AddressGuard, BlockedAddress
+from pairforge.download.politeness import HostGivenUp, HostPolicy, full_jitter, is_transient
 from pairforge.records import Status
 from pairforge.retry import parse_retry_after
 
@@ -408,6 +411,7 @@ class Fetcher:
         self._ssl_lock = threading.Lock()
         self._pool = _ConnectionPool(cfg.per_host_connections, max_idle_connections)
         self._host_slots: dict[str, threading.BoundedSemaphore] = {}
+        self.hosts = HostPolicy(cfg)
         self._slots_lock = threading.Lock()
         self._agents = [AGENT_NAME, cfg.agent_token]
         self._headers = {"User-Agent": cfg.user_agent, "Accept": accept}
@@ -449,7 +453,7 @@ class Fetcher:
                 refused.final_url = target.url
                 return refused
             try:
-                outcome = self._get_with_retries(target)
+                outcome = self._polite_get(target)
             except _Failure as failure:
                 failure.result.final_url = target.url
                 return failure.result
@@ -502,6 +506,28 @@ class Fetcher:
 
     # request level ------------------------------------------------------------------
 
+    def _polite_get(self, target: _Target) -> FetchResult | _Redirect:
+        """One hop through the host's circuit breaker: its outcome is recorded there."""
+        try:
+            probe = self.hosts.enter(target.host)
+        except HostGivenUp:
+            self.hosts.count(target.host, "rows_host_paused")
+            raise _Failure(Status.HOST_PAUSED, f"{target.host} failed "
+                           f"{self.cfg.host_failures} rows in a row through "
+                           f"{self.cfg.host_max_pauses} pauses: given up for this task "
+                           "(download.host_failures)") from None
+        transient = True  # until the hop ends otherwise (an exception that escapes too)
+        try:
+            outcome = self._get_with_retries(target)
+            transient = False
+            return outcome
+        except _Failure as failure:
+            transient = is_transient(failure.result.status, failure.result.http_status,
+                                     failure.retryable)
+            raise
+        finally:
+            self.hosts.record(target.host, transient, probe)
+
     def _get_with_retries(self, target: _Target) -> FetchResult | _Redirect:
         tries = self.cfg.retries + 1
         for attempt in range(tries):
@@ -516,12 +542,13 @@ class Fetcher:
                         failure.result.error = _short(
                             f"{failure.result.error} (after {tries} tries)")
                     raise
+                self.hosts.count(target.host, "backoffs")
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
     def _retry_delay(self, failure: _Failure, attempt: int) -> float:
         if failure.retry_after is None:
-            return self.cfg.backoff * 2**attempt
+            return full_jitter(self.cfg.backoff, attempt)
         if failure.retry_after > self.cfg.max_retry_after:
             failure.retryable = False
             failure.result.error = _short(
@@ -543,6 +570,7 @@ class Fetcher:
     def _attempt(self, target: _Target) -> FetchResult | _Redirect:
         """One request/response exchange, holding one of the host's slots throughout."""
         with self._host_slot(target.host):
+            self.hosts.take_token(target.host)
             if self.gate:
                 self.gate.pace(target.key)  # inside the slot: the spacing holds on the wire
             deadline_at = time.monotonic() + self.cfg.timeout

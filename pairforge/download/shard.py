@@ -209,5 +209,6 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, 
                          "duration_s": round(time.time() - started, 3),
                          "config": json.loads(cfg.download.model_dump_json()),
                          "consent": {**_opt_out_counts(opted_out),
-                                     **(gate.stats() if gate else {})}})
+                                     **(gate.stats() if gate else {})},
+                         "politeness": fetcher.hosts.stats()})
 

@@ -37,7 +37,9 @@ from pairforge.stage import setting_values
 DOWNLOAD_SECTIONS = {"input": ("storage_options",),
                      "download": ("threads", "image_threads", "processes",
                                   "per_host_connections", "timeout", "retries", "backoff",
-                                  "max_retry_after", "user_agent")}
+                                  "max_retry_after", "user_agent",
+                                  "per_host_requests_per_s", "per_host_burst",
+                                  "host_failures", "host_pause_s", "host_max_pauses")}
 PROCESS_SECTIONS = ("dedup", "process.tasks")  # the dedup decisions; the writer's task labels
 # The version of what each stage writes for given settings. Bump it with any change that
 # makes a stage write other bytes under the same settings (tests/test_golden.py fails on

@@ -111,6 +111,10 @@ def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]]) -> dic
         from pairforge.download.consent import merge_stats
 
         stats["consent"] = merge_stats([p["consent"] for p in parts])
+    if "politeness" in parts[0]:  # per host: throttled requests, backoffs, pauses
+        from pairforge.download.politeness import merge_stats as merge_politeness
+
+        stats["politeness"] = merge_politeness([p["politeness"] for p in parts])
     out.write_json(stats, folder, stats_name(shard_id))
     for name in names:
         out.remove(folder, f"{name}.tar")
