@@ -115,13 +115,18 @@ def _preflight(cfg: PairforgeConfig, stage: str) -> None:
 
 @app.command()
 def download(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
-             force: ForceOpt = False) -> None:
+             force: ForceOpt = False, retry_failed: Annotated[bool, typer.Option(
+                 "--retry-failed", help="fetch again only the rows of complete shards "
+                 "whose failure may pass (timeout, connection, 429, 5xx, host_paused) and "
+                 "rewrite those shards with the same keys")] = False) -> None:
     """Stage 1: fetch, verify, resize and hash every input row into raw shards."""
     from pairforge.pipeline.download_stage import run_download
+    from pairforge.pipeline.retry_failed import run_retry_failed
 
     cfg = _load(config, set_)
     _preflight(cfg, "download")
-    _print_stage("download", _run_guarded(run_download, cfg, _options(force, quiet)),
+    runner = run_retry_failed if retry_failed else run_download
+    _print_stage("download", _run_guarded(runner, cfg, _options(force, quiet)),
                  cfg.output.path)
 
 

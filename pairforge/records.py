@@ -92,6 +92,25 @@ STATUS_HELP: dict[Status, str] = {
                                 "names the classifier, its score and bound)",
 }
 
+# A stage-1 row whose failure may pass, so that `pairforge download --retry-failed` fetches
+# it again: a timeout, a host paused by its circuit breaker, HTTP 429 or 5xx, and a
+# connection that was refused, reset or cut short (download_error rows whose error names
+# one of these; DNS failures, TLS certificate errors and nonsense answers are not retried).
+TRANSIENT_STATUSES = frozenset({Status.TIMEOUT, Status.HOST_PAUSED})
+TRANSIENT_CONNECTION_ERRORS = ("ConnectionRefusedError", "ConnectionResetError",
+                               "ConnectionAbortedError", "BrokenPipeError",
+                               "RemoteDisconnected", "IncompleteRead")
+
+
+def is_transient_failure(status: str, http_status: int | None, error: str | None) -> bool:
+    """Whether a raw row's failure is one ``--retry-failed`` fetches again."""
+    if status in TRANSIENT_STATUSES:
+        return True
+    if status == Status.HTTP_ERROR:
+        return http_status is not None and (http_status == 429 or http_status >= 500)
+    cause = (error or "").removeprefix("bad response: ")  # http.client's, for cut bodies
+    return status == Status.DOWNLOAD_ERROR and cause.startswith(TRANSIENT_CONNECTION_ERRORS)
+
 # Columns of a raw (stage 1) shard parquet, before any user columns kept from the input.
 RAW_COLUMNS: list[pa.Field] = [
     pa.field("key", pa.string()),

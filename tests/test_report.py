@@ -97,7 +97,8 @@ def test_the_page_renders_in_headless_chromium(dataset, tmp_path):
     dom = subprocess.run([*browser, "--dump-dom", page.as_uri()], capture_output=True,
                          text=True, timeout=180, check=True).stdout
     headings = re.findall(r"<h2>([^<]+)</h2>", dom)
-    assert headings == ["Funnel: the final status of every input row", "Token budget per task",
+    assert headings == ["Funnel: the final status of every input row",
+                        "Top hosts by failures (stage 1)", "Token budget per task",
                         "Scores and their thresholds", "Recaptioning",
                         "The first 2 samples", "Timings", "Cost (pairforge cost)",
                         "Config of the build"]

@@ -19,7 +19,6 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import urlsplit
 
 import fsspec
 
@@ -32,6 +31,7 @@ from pairforge.download.inputs import InputShard, read_shard_rows
 from pairforge.download.lists import Lists
 from pairforge.machine import usable_cores
 from pairforge.records import Status, index_digits, json_safe, make_key
+from pairforge.shards.failures import SHARD_TOP, HostFailures, host_of
 from pairforge.shards.raw import RawShardWriter
 from pairforge.shards.storage import RAW_FOLDER, OutputDir
 from pairforge.shards.tar import iter_samples, split_member_name
@@ -40,7 +40,7 @@ from pairforge.shards.tar import iter_samples, split_member_name
 ProgressFn = Callable[[Counter], "int | None"]
 
 
-def _read_tar_members(sources: list[str], storage_options: dict[str, Any]) -> dict[str, bytes]:
+def read_tar_members(sources: list[str], storage_options: dict[str, Any]) -> dict[str, bytes]:
     """Bytes of every ``tar:LOCATION#MEMBER`` source, one sequential pass per tar.
 
     Members are matched as the input reader named them: by sample key and extension,
@@ -130,7 +130,7 @@ class ShardDownloader:
         return record, image
 
 
-def _sample_meta(record: dict[str, Any]) -> dict[str, Any]:
+def sample_meta(record: dict[str, Any]) -> dict[str, Any]:
     # The dedup-only hashes stay in the parquet: a sample's json keeps img2dataset's fields.
     skip = {"http_status", "phash_mirror", "crop_phashes", "colour_grid"}
     return json_safe({k: v for k, v in record.items() if v is not None and k not in skip})
@@ -145,13 +145,6 @@ def _opt_out_counts(opted_out: Counter) -> dict[str, Any]:
     for (_, reason), count in opted_out.items():
         reasons[reason] += count
     return {"opted_out": dict(sorted(reasons.items())), "hosts": dict(hosts)}
-
-
-def _host(url: str | None) -> str:
-    try:
-        return urlsplit(url or "").netloc.lower() or "(none)"
-    except ValueError:
-        return "(none)"
 
 
 def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, Any],
@@ -174,23 +167,26 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, 
         row["key"] = make_key(shard.shard_id, i, digits)
     gate = make_gate(cfg.download, run_id)
     fetcher = Fetcher(cfg.download, gate=gate)
-    worker = ShardDownloader(cfg, fetcher, _read_tar_members(
+    worker = ShardDownloader(cfg, fetcher, read_tar_members(
         [r["source"] for r in rows if (r["source"] or "").startswith("tar:")],
         cfg.input.storage_options), lists)
     writer = RawShardWriter(out, RAW_FOLDER, shard.shard_id, extras,
                             (shard.part, shard.parts) if shard.parts > 1 else None)
     pending: Counter = Counter()
     opted_out: Counter = Counter()  # (host, reason)
+    failures = HostFailures()
     last_report = time.monotonic()
     try:
         with ThreadPoolExecutor(cfg.download.threads) as pool:
             # map() keeps input order, so keys are written in order whatever finishes first.
             for record, image in pool.map(worker.one, rows):
                 writer.add(record, image.data if image else None,
-                           image.format if image else None, _sample_meta(record))
+                           image.format if image else None, sample_meta(record))
                 pending[record["status"]] += 1
                 if record.get("opt_out_reason"):
-                    opted_out[_host(record.get("url")), record["opt_out_reason"]] += 1
+                    opted_out[host_of(record.get("url")), record["opt_out_reason"]] += 1
+                if record["status"] != Status.OK:
+                    failures.add_row(host_of(record.get("url")), record["status"])
                 if progress and time.monotonic() - last_report > 0.5:
                     worker.use_slots(progress(pending) or 1)
                     pending, last_report = Counter(), time.monotonic()
@@ -210,5 +206,6 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, 
                          "config": json.loads(cfg.download.model_dump_json()),
                          "consent": {**_opt_out_counts(opted_out),
                                      **(gate.stats() if gate else {})},
-                         "politeness": fetcher.hosts.stats()})
+                         "politeness": fetcher.hosts.stats(),
+                         "failures_by_host": failures.section(SHARD_TOP)})
 

@@ -12,6 +12,7 @@ from pairforge.records import STATUS_HELP, Status
 from pairforge.shards.cost import from_manifest
 from pairforge.shards.cost import lines as cost_lines
 from pairforge.shards.duplicates import summary_lines
+from pairforge.shards.failures import breakdown_note, breakdown_rows
 from pairforge.shards.storage import MANIFEST, OutputDir
 
 
@@ -28,6 +29,19 @@ def status_table(counts: dict[str, int], title: str) -> Table:
         table.add_row(status, f"{n:,}", f"{n / total:.1%}" if total else "-", meaning)
     table.add_row("[b]total[/b]", f"[b]{total:,}[/b]", "", "")
     return table
+
+
+def _failures_table(manifest: dict[str, Any]) -> Group:
+    """The hosts that lost the most rows in stage 1, with their statuses' meanings."""
+    section = manifest.get("failures_by_host")
+    table = Table(title="top hosts by failures (stage 1)", title_justify="left")
+    for column in ("host", "failed", "status", "rows", "meaning"):
+        table.add_column(column, justify="right" if column in ("failed", "rows") else "left",
+                         style="dim" if column == "meaning" else None)
+    for row in breakdown_rows(section):
+        table.add_row(*[f"{v:,}" if isinstance(v, int) else v for v in row])
+    note = breakdown_note(section)
+    return Group(table, Text(note, style="dim")) if note else Group(table)
 
 
 def _budget_table(manifest: dict[str, Any]) -> Table:
@@ -108,6 +122,9 @@ def inspect_view(path: str, storage_options: dict | None = None) -> Group:
     parts: list[Any] = [head, status_table(funnel["final"], "funnel (final status)"),
                         Text("\n".join(summary_lines(OutputDir(path, storage_options),
                                                      funnel["final"])))]
+    if breakdown_rows(manifest.get("failures_by_host")) or breakdown_note(
+            manifest.get("failures_by_host")):
+        parts.append(_failures_table(manifest))
     if manifest["totals"]["tasks"]:
         parts.append(_budget_table(manifest))
     parts += [_shards_table(manifest), _models(manifest)]
@@ -124,6 +141,7 @@ def inspect_data(path: str, storage_options: dict | None = None) -> dict[str, An
     return {"path": path, "samples": manifest["totals"]["samples"],
             "input_rows": manifest["funnel"]["input_rows"],
             "funnel": manifest["funnel"]["final"], "budget": manifest["budget"],
+            "failures_by_host": manifest.get("failures_by_host"),
             "tasks": manifest["totals"]["tasks"], "shards": shards,
             "models": manifest["models"], "classifiers": manifest.get("classifiers") or [],
             "recaption": manifest.get("recaption"), "vocab": manifest.get("vocab"),

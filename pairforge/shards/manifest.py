@@ -27,6 +27,7 @@ from typing import IO, Any
 import numpy as np
 
 from pairforge.config import PairforgeConfig
+from pairforge.shards.failures import SHOWN, HostFailures
 from pairforge.shards.features import hf_features
 from pairforge.shards.raw import shard_name, stats_name
 from pairforge.shards.storage import RAW_FOLDER, SHARDS_FOLDER, OutputDir
@@ -145,6 +146,9 @@ class _Fold:
         self.vocab_layouts: set[str] = set()
         self.first: dict[str, Any] | None = None  # the first shard's stats
         self.download: Counter = Counter()  # stage 1's statuses (raw stats)
+        self.failures = HostFailures()  # stage 1's failed rows by host (bounded)
+        self.raw_without_breakdown = 0  # raw shards written before failures_by_host
+        self.retried: Counter = Counter()  # download --retry-failed: shards, rows, ok now
         self.final: Counter = Counter()  # the training shards' statuses
 
     def add(self, shard: dict[str, Any], raw: dict[str, Any]) -> None:
@@ -166,6 +170,13 @@ class _Fold:
             self.vocab_layouts.add(json.dumps(shard["vocab"], sort_keys=True))
         self.samples += shard["successes"]
         self.download.update(raw["status"])
+        if "retried" in raw:
+            self.retried.update(shards=1, rows=raw["retried"]["rows"],
+                                ok=raw["retried"]["ok"])
+        if "failures_by_host" in raw:
+            self.failures.add_section(raw["failures_by_host"])
+        else:
+            self.raw_without_breakdown += 1
         self.final.update(shard["status"])
 
     def _add_steps(self, step_stats: dict[str, Any]) -> None:
@@ -197,6 +208,10 @@ class _Fold:
         """The vocabulary layout the tokenize step recorded in the shards (all the same)."""
         layout = _one_value(self.vocab_layouts, "vocabulary layouts", None)
         return json.loads(layout) if layout else None
+
+    def failures_by_host(self) -> dict[str, Any]:
+        return {**self.failures.section(SHOWN),
+                "shards_without_breakdown": self.raw_without_breakdown}
 
     def funnel(self) -> dict[str, Any]:
         return {"input_rows": sum(self.download.values()), "download": dict(self.download),
@@ -311,6 +326,10 @@ def _fill(manifest: Manifest, out: OutputDir, cfg: PairforgeConfig,
         },
         "totals": {"samples": fold.samples, "tasks": tasks},
         "funnel": fold.funnel(),
+        # the hosts that lost the most rows in stage 1 (shards/failures.py)
+        "failures_by_host": fold.failures_by_host(),
+        # rows fetched again by download --retry-failed, and how many of them are ok now
+        "retried": {k: fold.retried[k] for k in ("shards", "rows", "ok")},
     })
 
 

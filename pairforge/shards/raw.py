@@ -75,7 +75,7 @@ class RawShardWriter:
         table = pa.Table.from_pylist(self.rows, schema=raw_schema(self.extra_columns))
         with self.out.open_atomic(self.folder, f"{self.name}.parquet") as f:
             pq.write_table(table, f)
-        stats = {**stats, "shard": self.shard_id, **_row_counts(r["status"] for r in self.rows)}
+        stats = {**stats, "shard": self.shard_id, **row_counts(r["status"] for r in self.rows)}
         if self.part:
             return {**stats, "part": list(self.part)}
         self.out.write_json(stats, self.folder, stats_name(self.shard_id))
@@ -106,11 +106,15 @@ def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]]) -> dic
     start, end = min(p["start_time"] for p in parts), max(p["end_time"] for p in parts)
     stats = {**{k: v for k, v in parts[0].items() if k != "part"},
              "start_time": start, "end_time": end, "duration_s": round(end - start, 3),
-             "parts": count, **_row_counts(table["status"].to_pylist())}
+             "parts": count, **row_counts(table["status"].to_pylist())}
     if "consent" in parts[0]:  # stage 1's counts per reason and host: every part's
         from pairforge.download.consent import merge_stats
 
         stats["consent"] = merge_stats([p["consent"] for p in parts])
+    if "failures_by_host" in parts[0]:
+        from pairforge.shards.failures import merge_sections
+
+        stats["failures_by_host"] = merge_sections([p["failures_by_host"] for p in parts])
     if "politeness" in parts[0]:  # per host: throttled requests, backoffs, pauses
         from pairforge.download.politeness import merge_stats as merge_politeness
 
@@ -122,7 +126,7 @@ def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]]) -> dic
     return stats
 
 
-def _row_counts(statuses: Any) -> dict[str, Any]:
+def row_counts(statuses: Any) -> dict[str, Any]:
     """A shard's row counts in its stats: rows, ok rows, rows per status."""
     counts = Counter(statuses)
     return {"count": sum(counts.values()), "successes": counts.get(Status.OK, 0),

@@ -26,6 +26,7 @@ from pairforge.records import STATUS_HELP, Status
 from pairforge.shards import report_plots as plots
 from pairforge.shards.dataset import check_output_folder, open_dataset
 from pairforge.shards.duplicates import summary_lines
+from pairforge.shards.failures import breakdown_note, breakdown_rows
 from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, SHARDS_FOLDER, OutputDir
 
 # The charts are drawn from at most about this many rows, read from evenly spaced shards:
@@ -137,6 +138,16 @@ def _funnel(manifest: dict[str, Any]) -> str:
     table = _table(["status", "rows", "share", "meaning"], rows, numeric=(1, 2))
     chart = _img(plots.funnel_chart(final, total), "funnel chart") if final else ""
     return _section("funnel", "Funnel: the final status of every input row", table, chart)
+
+
+def _failures(manifest: dict[str, Any]) -> str:
+    section = manifest.get("failures_by_host")
+    rows = breakdown_rows(section)
+    note = breakdown_note(section)
+    table = _table(["host", "failed rows", "status", "rows", "meaning"], rows,
+                   numeric=(1, 3)) if rows else ""
+    return _section("failures", "Top hosts by failures (stage 1)",
+                    table or _note("no row failed in stage 1"), _note(note) if note else "")
 
 
 def _budget(rows: pa.Table, manifest: dict[str, Any]) -> str:
@@ -303,9 +314,9 @@ padding:.2em .5em;vertical-align:top}th{background:#f3f3f3}.n{text-align:right}
 .note{color:#555;font-style:italic}.grid{display:flex;flex-wrap:wrap;gap:8px}
 figure{width:140px;margin:0;font-size:11px}figure img{display:block}
 pre{background:#f7f7f7;padding:.5em;font-size:12px;overflow:auto}nav a{margin-right:1em}"""
-SECTIONS = [("funnel", "funnel"), ("budget", "token budget"), ("scores", "scores"),
-            ("recaption", "recaptioning"), ("samples", "samples"), ("timings", "timings"),
-            ("cost", "cost"), ("config", "config")]
+SECTIONS = [("funnel", "funnel"), ("failures", "failures by host"), ("budget", "token budget"),
+            ("scores", "scores"), ("recaption", "recaptioning"), ("samples", "samples"),
+            ("timings", "timings"), ("cost", "cost"), ("config", "config")]
 
 
 def render_report(path: str, storage_options: dict | None = None) -> str:
@@ -313,7 +324,7 @@ def render_report(path: str, storage_options: dict | None = None) -> str:
     rows, sampled = _rows(out, manifest)
     nav = "<nav>" + "".join(f'<a href="#{a}">{t}</a>' for a, t in SECTIONS) + "</nav>"
     body = [_summary(path, out, manifest), _note(sampled) if sampled else "", nav,
-            _funnel(manifest), _budget(rows, manifest),
+            _funnel(manifest), _failures(manifest), _budget(rows, manifest),
             _scores(rows, manifest), _recaption(rows, manifest), _thumbnails(out),
             _timings(out, manifest), _cost(manifest), _config(manifest)]
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>pairforge report: "

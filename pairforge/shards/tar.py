@@ -147,6 +147,13 @@ def _group_by_key(members: Iterable[tuple[str, bytes | memoryview]]
         yield key, files
 
 
+def tar_mtime(stream: IO[bytes]) -> int | None:
+    """The header time of an archive's first member (None: an empty archive)."""
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        first = next(iter(tar), None)
+        return int(first.mtime) if first is not None else None
+
+
 def _tarfile_members(stream: IO[bytes]) -> Iterator[tuple[str, bytes]]:
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         for info in tar:
