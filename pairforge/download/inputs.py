@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError, InputConfig, PairforgeConfig
+from pairforge.download.input_plan import planned_shards
 from pairforge.download.split import (
     SPLIT_FOLDER,
     SplitJob,
@@ -169,12 +170,14 @@ def plan_input(cfg: PairforgeConfig, run_splits: SplitRunner) -> list[InputShard
     files = [p if isinstance(p, InputFile) else
              InputFile(out.uri(SPLIT_FOLDER, p.target), rows_of[p], split=True)
              for p in planned]
-    return list(shards_of(files, cfg.input.shard_size))
+    return list(planned_shards(out, files, cfg.input.shard_size, shards_of))
 
 
-def shards_of(files: list[InputFile], shard_size: int) -> Iterator[InputShard]:
-    """Shards of ``shard_size`` rows of the files one after another (the last shorter)."""
-    shard_id, ranges, filled = 0, [], 0
+def shards_of(files: list[InputFile], shard_size: int,
+              first_id: int = 0) -> Iterator[InputShard]:
+    """Shards of ``shard_size`` rows of the files one after another (the last shorter),
+    numbered from ``first_id``."""
+    shard_id, ranges, filled = first_id, [], 0
     for file in files:
         start = 0
         while start < file.rows:

@@ -38,7 +38,7 @@ RECORD_KEY = b"pairforge.split"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 _BATCH_ROWS = 65536  # rows per batch when walking tars, folders and parquet row groups
 # fsspec info fields that change with a file's content, most specific first
-_VERSION_FIELDS = ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified",
+VERSION_FIELDS = ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified",
                    "last_modified", "updated", "created")
 
 
@@ -179,7 +179,7 @@ def _source_batches(job: SplitJob, cfg: InputConfig) -> Iterator[pa.Table]:
 def source_record(source: str, info: dict[str, Any], fmt: str, cfg: InputConfig) -> str:
     """What a split of this input is made from: the input's URL, size and version (mtime,
     ETag, ...; ``info`` is fsspec's) and the settings that decide its rows."""
-    version = next((str(info[k]) for k in _VERSION_FIELDS if info.get(k) is not None), None)
+    version = next((str(info[k]) for k in VERSION_FIELDS if info.get(k) is not None), None)
     return json.dumps({"source": source, "size": info.get("size"), "version": version,
                        "format": fmt, "url_col": cfg.url_col, "caption_col": cfg.caption_col,
                        "save_additional_columns": cfg.save_additional_columns,
