@@ -138,8 +138,10 @@ def test_the_rate_cap_is_never_exceeded(server):
     times = sorted(t for t, p in server.arrivals)
     assert len(times) == n
     # any window of the log: at most the burst plus the rate times its length (requests
-    # leave the client on schedule; the server logs them a little later, in any order)
-    slack = 0.01
+    # leave the client on schedule; the server logs them a little later, in any order:
+    # 50 ms of scheduling delay allowed on a loaded machine; uncapped, all 30 arrive in
+    # well under that)
+    slack = 0.05
     for i in range(n):
         for j in range(i + 1, n):
             assert j - i + 1 <= burst + rate * (times[j] - times[i] + slack) + 1e-9

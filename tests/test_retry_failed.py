@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -27,22 +26,19 @@ IMAGE = "sample_5.jpg"
 
 class OnceServer(LoopbackServer):
     """``/pic/<id>``: the image (one path per row, so hits count rows);
-    ``/once/<kind>/<id>``: the first request of each id fails (``503``, or ``reset``: the
-    connection closes without an answer), later ones get the image."""
+    ``/broken/<kind>/<id>``: while ``broken`` is set, a failure (``503``, or ``reset``:
+    the connection closes without an answer; the client may try that once more on a new
+    connection when the closed one was reused), the image after."""
 
     def __init__(self, image_dir: Path) -> None:
         super().__init__(image_dir)
-        self._first: set[str] = set()
-        self._lock = threading.Lock()
+        self.broken = True
 
     def _route_pic(self, handler, rest: str, query: dict[str, str]) -> None:  # noqa: ANN001
         self._send_image(handler, IMAGE)
 
-    def _route_once(self, handler, rest: str, query: dict[str, str]) -> None:  # noqa: ANN001
-        with self._lock:
-            first = rest not in self._first
-            self._first.add(rest)
-        if not first:
+    def _route_broken(self, handler, rest: str, query: dict[str, str]) -> None:  # noqa: ANN001
+        if not self.broken:
             self._send_image(handler, IMAGE)
         elif rest.startswith("reset/"):
             handler.close_connection = True
@@ -62,8 +58,8 @@ def _urls(server: OnceServer) -> list[str]:
     404, shard 2 with a reset connection and a 404."""
     urls = [server.url(f"/pic/{i}") for i in range(40)]
     for i in (11, 14, 17):
-        urls[i] = server.url(f"/once/503/{i}")
-    urls[22] = server.url("/once/reset/22")
+        urls[i] = server.url(f"/broken/503/{i}")
+    urls[22] = server.url("/broken/reset/22")
     urls[13] = urls[25] = server.url("/status/404")
     return urls
 
@@ -125,6 +121,7 @@ def test_retry_failed_refetches_only_transient_rows_and_leaves_other_shards(
     for shard in (0, 1):
         (tmp_path / "out" / "shards" / f"0000{shard}_stats.json").write_text("{}")
 
+    server.broken = False  # the hosts recovered
     summary = run_retry_failed(cfg, RunOptions(show_progress=False))
 
     after = pq.read_table(sorted(raw.glob("*.parquet"))).to_pylist()
