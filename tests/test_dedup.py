@@ -12,7 +12,7 @@ import re
 import shutil
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -478,12 +478,14 @@ def test_an_index_of_an_older_version_still_wins(coco):
 # ------------------------------------------------------------------- the stage on Ray
 
 
-def write_raw_shards(folder: Path, samples: list[Sample], shards: int) -> None:
-    """Raw shard parquet files as stage 1 writes them, with failed rows mixed in."""
+def write_raw_shards(folder: Path, samples: list[Sample], shards: int, first: int = 0
+                     ) -> None:
+    """Raw shard parquet files (``first`` onwards) as stage 1 writes them, with failed
+    rows mixed in."""
     folder.mkdir(parents=True, exist_ok=True)
     schema = raw_schema()
-    for shard in range(shards):
-        part = samples[shard::shards]
+    for shard in range(first, first + shards):
+        part = samples[shard - first::shards]
         n = len(part)
         failed = 3
         columns = {name: [None] * (n + failed) for name in schema.names}
@@ -596,6 +598,52 @@ def test_stage_on_ray_matches_the_algorithm_and_resumes(coco, tmp_path, ray_loca
     assert pixel_hash_matches(index4.schema)
     assert index4["pixel_hash"].null_count == len(legacy)
 
+
+
+def test_append_reads_only_new_shards_and_earlier_survivors_stay(coco, tmp_path, ray_local):
+    """Raw shards added after the last (issue 36's append) are read against the finished
+    run's index: an earlier survivor stays even when a new copy is larger (the survivor
+    rule would pick that copy in a full run), and no earlier decision changes."""
+    from pairforge.pipeline.dedup_stage import run_dedup
+
+    raw, out = tmp_path / "raw", tmp_path / "dedup"
+    write_raw_shards(raw, coco, shards=3)
+    first = run_dedup(str(raw), str(out), DedupConfig(), RAY)
+    before = pq.read_table(out / "duplicates.parquet")
+    decided = set(before["key"].to_pylist()) | set(before["kept_key"].to_pylist())
+    alone = next(s for s in coco if s.key not in decided)  # kept, in no cluster
+    larger = replace(alone, key=make_key(900, 0), variant="double", sha256="0" * 64,
+                     pixel_hash="f" * len(alone.pixel_hash), width=2 * alone.width,
+                     height=2 * alone.height)
+    write_raw_shards(raw, [larger], shards=1, first=3)
+    said: list[str] = []
+    grown = run_dedup(str(raw), str(out), DedupConfig(), RAY, say=said.append)
+    assert said[0] == ("dedup: 1 raw shards added after the 3 this dedup covered: only "
+                       "they are read, against its index")
+    assert grown["last_run"] == {"mode": "append", "raw_files_read": 1,
+                                 "index_rows_read": first["kept"]}
+    after = pq.read_table(out / "duplicates.parquet")
+    assert after.slice(0, len(before)).equals(before)  # earlier decisions as they were
+    assert after.slice(len(before)).to_pylist() == [
+        {"key": larger.key, "kind": "duplicate_near", "cluster_id": alone.key,
+         "kept_key": alone.key, "kept_source": None, "distance": 0}]
+    assert (grown["raw_files"], grown["rows_in"], grown["ok_rows"]) == (
+        4, first["rows_in"] + 4, first["ok_rows"] + 1)
+    assert (grown["duplicates"], grown["kept"], grown["dropped_for_index"]) == (
+        first["duplicates"] + 1, first["kept"], 0)
+    assert grown["status_counts"] == {"ok": len(coco) + 1, "timeout": 12}
+    assert json.loads((out / "dedup_stats.json").read_text()) == grown
+    index = pq.read_table(out / "index.parquet")
+    assert len(index) == first["kept"] and larger.key not in index["key"].to_pylist()
+    assert set(index["source"].to_pylist()) == {str(tmp_path)}
+    # unchanged inputs reuse it; a full run (--force) decides afresh: the larger copy wins
+    assert run_dedup(str(raw), str(out), DedupConfig(), RAY) == grown
+    forced = run_dedup(str(raw), str(out), DedupConfig(), RAY, force=True)
+    assert forced["last_run"]["mode"] == "full"
+    assert forced["inputs_digest"] == grown["inputs_digest"]
+    lost = pq.read_table(out / "duplicates.parquet").filter(
+        pc.equal(pc.field("key"), alone.key)).to_pylist()
+    assert [r["kept_key"] for r in lost] == [larger.key]
 
 def test_stage_refuses_missing_inputs(tmp_path, ray_local):
     from pairforge.pipeline.dedup_stage import run_dedup

@@ -129,6 +129,10 @@ class Work:
     max_distance: int
     max_colour_distance: int | None = None  # filters/dedup.colour_groups (None: off)
     perceptual: bool = True  # False: no row's hashes enter the near join (exact only)
+    # An append (pipeline/dedup_stage.py): this build's label in its own index, whose
+    # rows are read back as index rows (they win, as shipped rows) with no source, so
+    # that a new row dropped for one is a duplicate within this build
+    own_source: str | None = None
 
     def fs(self) -> fsspec.AbstractFileSystem:
         return fsspec.core.url_to_fs(self.root, **self.storage_options)[0]
@@ -215,12 +219,17 @@ def read_index(url: str, storage_options: dict[str, Any]) -> pa.Table:
     return as_index(table)
 
 
-def _input_rows(file: InputFile, storage_options: dict[str, Any]
+def _input_rows(file: InputFile, storage_options: dict[str, Any], own_source: str | None
                 ) -> tuple[pa.Table, dict[str, int], int]:
     """ROW_SCHEMA rows of one input, its status counts and index rows without pixel hash."""
     if file.index:
         index = read_index(file.url, storage_options)
         rows = index_rows(index).cast(ROWS_SCHEMA.append(pa.field("source", pa.string())))
+        if own_source is not None:
+            mine = pc.equal(rows["source"], pa.scalar(own_source))
+            rows = rows.set_column(rows.schema.get_field_index("source"), "source",
+                                   pc.if_else(mine, pa.scalar(None, pa.string()),
+                                              rows["source"]))
         status, unhashed = {}, index["pixel_hash"].null_count
     else:
         rows, status = read_hash_columns(file.url, storage_options)
@@ -251,7 +260,7 @@ def scatter(work: Work, unit: int, files: list[InputFile]) -> dict[str, Any]:
     fs, parts = work.fs(), work.parts
     tables, status, unhashed = [ROW_SCHEMA.empty_table()], Counter(), 0
     for file in files:
-        rows, counts, missing = _input_rows(file, work.storage_options)
+        rows, counts, missing = _input_rows(file, work.storage_options, work.own_source)
         tables.append(rows.cast(ROW_SCHEMA))
         status.update(counts)
         unhashed += missing
@@ -535,17 +544,33 @@ def sort_range(work: Work, key_range: int, schema: pa.Schema = DUPLICATES_SCHEMA
 
 
 def concat_sorted(work: Work, ranges: int, out_url: str,
-                  schema: pa.Schema = DUPLICATES_SCHEMA) -> None:
+                  schema: pa.Schema = DUPLICATES_SCHEMA, first: str | None = None) -> None:
     """Phase 8b: the sorted key ranges, in order, as one parquet file (a row group or more
-    per range: one range in memory at a time)."""
+    per range: one range in memory at a time). ``first``: an earlier run's sorted table
+    whose keys all come before these (an append's new shards follow the last), copied
+    ahead of them a row group at a time."""
     fs = work.fs()
     out_fs, out_path = fsspec.core.url_to_fs(out_url, **work.storage_options)
     out_fs.makedirs(posixpath.dirname(out_path), exist_ok=True)
+    last_key = None
     with atomic_writer(out_fs, out_path) as handle, \
             pq.ParquetWriter(handle, schema) as writer:
+        if first is not None:
+            first_fs, first_path = fsspec.core.url_to_fs(first, **work.storage_options)
+            with first_fs.open(first_path, "rb") as earlier:
+                reader = pq.ParquetFile(earlier)
+                for group in range(reader.num_row_groups):
+                    table = reader.read_row_group(group).cast(schema)
+                    if len(table):
+                        writer.write_table(table)
+                        last_key = table["key"][-1].as_py()
         for key_range in range(ranges):
             found = read_tables(fs, [work.file("sorted", key_range)], schema)
             if len(found):
+                if last_key is not None and found["key"][0].as_py() <= last_key:
+                    raise ValueError(f"appended key {found['key'][0]} sorts before the "
+                                     f"earlier run's last key {last_key}")
+                last_key = None
                 writer.write_table(found)
 
 
@@ -583,7 +608,7 @@ def index_rows_out(work: Work, part: int, scatter_units: int, source: str,
     from_index = rows["from_index"].to_numpy(zero_copy_only=False)
     keep = from_index | ~np.isin(rows["pos"].to_numpy(), gone.to_numpy())
     kept = rows.filter(pa.array(keep))
-    sources = pc.if_else(kept["from_index"], kept["source"], pa.scalar(source))
+    sources = pc.coalesce(kept["source"], pa.scalar(source))  # new rows and own index rows
     table = pa.table({
         "key": kept["key"], "source": sources, "pixel_hash": kept["exact"],
         "phash": kept["phash"], "phash_mirror": kept["phash_mirror"],

@@ -6,7 +6,9 @@ files under ``out_dir/work/`` (removed when the stage is done, wiped when a run 
 the driver only plans the partitions and adds up the counts the tasks return, so its
 memory does not grow with the number of rows. A task lost with its worker or node is
 retried by Ray and writes the same files again; a rerun starts the work over and writes
-the same output. Outputs, under ``out_dir``:
+the same output. An append (raw shards added after those a finished run covered, all
+else the same) reads only the new shards, against the finished run's own index, and
+adds to its outputs (``run_dedup``). Outputs, under ``out_dir``:
 
 * ``duplicates.parquet``  key, kind, cluster_id, kept_key, kept_source, distance
 * ``index.parquet/``      (``dedup.write_index``) earlier index rows + this build's
@@ -24,6 +26,7 @@ import posixpath
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -144,22 +147,61 @@ def _disabled(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any]:
     return stats
 
 
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _described(paths: list[str], storage_options: dict[str, Any]) -> list[tuple[str, int]]:
+    out = []
+    for path in paths:
+        fs, stripped = fsspec.core.url_to_fs(path, **storage_options)
+        out.append((posixpath.basename(stripped), int(fs.info(stripped)["size"])))
+    return out
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a dedup is computed from: its config and the raw/index files (name and size),
+    so new or rewritten raw shards or another config make a finished run stale."""
+
+    files: list[str]
+    indexes: list[str]
+    raw: list[tuple[str, int]]
+    index: list[tuple[str, int]]
+    config: dict[str, Any]
+
+    @classmethod
+    def describe(cls, files: list[str], indexes: list[str], cfg: DedupConfig,
+                 storage_options: dict[str, Any]) -> Inputs:
+        # semantic dedup is stage 3's pass: its settings do not make this stage stale
+        return cls(files, indexes, _described(files, storage_options),
+                   _described(indexes, storage_options),
+                   cfg.model_dump(mode="json", exclude={"semantic"}))
+
+    def digest(self) -> str:
+        return _digest({"config": self.config, "raw": self.raw, "index": self.index})
+
+    def coverage(self) -> dict[str, Any]:
+        """Recorded in the stats, so that a later run can tell an append (raw shards
+        after the last, all else the same) from any other change."""
+        return {"raw_files": len(self.raw), "raw_digest": _digest(self.raw),
+                "settings_digest": _digest({"config": self.config, "index": self.index})}
+
+    def covered_by(self, coverage: dict[str, Any] | None) -> int | None:
+        """How many leading raw shards a finished run covered, when these inputs only add
+        raw shards after them; else None."""
+        if not coverage:
+            return None
+        n = coverage["raw_files"]
+        mine = self.coverage()
+        if n >= len(self.raw) or coverage["settings_digest"] != mine["settings_digest"]:
+            return None
+        return n if _digest(self.raw[:n]) == coverage["raw_digest"] else None
+
+
 def inputs_digest(files: list[str], indexes: list[str], cfg: DedupConfig,
                   storage_options: dict[str, Any]) -> str:
-    """What a finished dedup was computed from: its config and the raw/index files (name
-    and size), so new or rewritten raw shards or another config make it stale."""
-    def described(paths: list[str]) -> list[tuple[str, int]]:
-        out = []
-        for path in paths:
-            fs, stripped = fsspec.core.url_to_fs(path, **storage_options)
-            out.append((posixpath.basename(stripped), int(fs.info(stripped)["size"])))
-        return out
-
-    # semantic dedup is stage 3's pass: its settings do not make this stage stale
-    config = cfg.model_dump(mode="json", exclude={"semantic"})
-    blob = json.dumps({"config": config, "raw": described(files),
-                       "index": described(indexes)}, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    return Inputs.describe(files, indexes, cfg, storage_options).digest()
 
 
 def _read_phase(tasks: Waves, work: Work, units: list[list[InputFile]]
@@ -199,8 +241,8 @@ def _near_join(tasks: Waves, work: Work, n_values: int) -> tuple[int, str]:
     return len(leads) * band_parts, plan.describe()
 
 
-def _decide(tasks: Waves, work: Work, units: int, samples: list[str], out_url: str
-            ) -> dict[str, int]:
+def _decide(tasks: Waves, work: Work, units: int, samples: list[str], out_url: str,
+            first: str | None = None) -> dict[str, int]:
     """Phases 2-8: links, components, decisions; writes duplicates.parquet."""
     P = work.parts  # noqa: N806 - the partition count, as in the docs
     checked = tasks.run(parts.exact_groups, [(work, p, units) for p in range(P)])
@@ -226,7 +268,7 @@ def _decide(tasks: Waves, work: Work, units: int, samples: list[str], out_url: s
     decided = tasks.run(parts.decide, [(work, p, boundaries) for p in range(P)])
     ranges = len(boundaries) + 1
     tasks.run(parts.sort_range, [(work, r) for r in range(ranges)])
-    tasks.run(parts.concat_sorted, [(work, ranges, out_url)])
+    tasks.run(parts.concat_sorted, [(work, ranges, out_url, DUPLICATES_SCHEMA, first)])
     totals: Counter[str] = Counter()
     for result in decided:
         totals.update(result)
@@ -283,15 +325,43 @@ def _remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
         fs.rm(path, recursive=True)
 
 
+def _appendable(finished: dict[str, Any] | None, inputs: Inputs,
+                fs: fsspec.AbstractFileSystem, root: str) -> int | None:
+    """The raw shards a finished run covered, when this run can add to it (an append):
+    only raw shards after them are new, and its index (its survivors) is on disk."""
+    if not finished or not finished.get("enabled") or not finished.get("index_written"):
+        return None
+    covered = inputs.covered_by(finished.get("covered"))
+    return covered if covered and fs.exists(posixpath.join(root, INDEX_FILE)) else None
+
+
+# counts an append adds to the finished run's; the run's own diagnostics are replaced
+_ADDED = ("rows_in", "raw_files", "ok_rows", "duplicates", *(k.value for k in HASH_KINDS),
+          "dropped_for_index", "clusters", "colour_splits", "kept", "degenerate_hashes",
+          "missing_phash")
+
+
+def _added_to(previous: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    """An append's stats: the finished run's counts plus this run's (its index rows read
+    are the build's own survivors, not an earlier build's)."""
+    status = Counter(previous["status_counts"]) + Counter(stats["status_counts"])
+    return {**stats, **{k: previous[k] + stats[k] for k in _ADDED},
+            "status_counts": dict(sorted(status.items())),
+            **{k: previous[k] for k in ("index_files", "index_rows",
+                                        "index_rows_without_pixel_hash")}}
+
+
 def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
               storage_options: dict | None = None, *, source: str | None = None,
               force: bool = False, say: Callable[[str], None] = lambda _: None) -> dict:
     """Stage 2: write ``out_dir/duplicates.parquet`` (+ index) and return the stats.
 
     A finished run (its stats file exists) is reused when it was computed from the same
-    config and raw/index files; otherwise, or with ``force``, it is redone. ``source``
-    labels this build's rows in the index it writes (default: the parent of out_dir).
-    ``say`` gets a line as each phase starts (read, join, write).
+    config and raw/index files. When the only change is raw shards added after the last
+    (an append), only those are read, against the finished run's own index: its rows
+    win, as rows already shipped, and its decisions stay as they are. Otherwise, or with
+    ``force``, it is redone. ``source`` labels this build's rows in the index it writes
+    (default: the parent of out_dir). ``say`` gets a line as each phase starts.
     """
     opts = dict(storage_options or {})
     fs, root = fsspec.core.url_to_fs(out_dir, **opts)
@@ -301,42 +371,57 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
     fs.makedirs(root, exist_ok=True)
     if not cfg.enabled:
         return finished if finished and not finished["enabled"] else _disabled(fs, root)
-    files = _raw_files(raw_dir, opts)
-    indexes = _index_files(cfg.index, opts)
-    digest = inputs_digest(files, indexes, cfg, opts)
+    inputs = Inputs.describe(_raw_files(raw_dir, opts), _index_files(cfg.index, opts), cfg,
+                             opts)
+    digest = inputs.digest()
     if finished and finished.get("inputs_digest") == digest:
         say("dedup: the finished run matches the raw shards, index files and config: reused")
         return finished
+    source = source or _default_source(out_dir)
+    covered = _appendable(finished, inputs, fs, root)
+    files, indexes = inputs.files, inputs.indexes
+    if covered:
+        files = files[covered:]
+        indexes = _index_files([fs.unstrip_protocol(posixpath.join(root, INDEX_FILE))], opts)
+        say(f"dedup: {len(files)} raw shards added after the {covered} this dedup covered: "
+            "only they are read, against its index")
     started = time.perf_counter()
     say(f"dedup: reading the hashes of {len(files)} raw shards and {len(indexes)} index "
         "files; starting Ray…")
     init_ray(ray_cfg)
     tasks = Waves(ray_cfg.max_task_retries)
-    inputs = [InputFile(i, url, i >= len(files)) for i, url in enumerate(files + indexes)]
+    work_inputs = [InputFile(i, url, i >= len(files))
+                   for i, url in enumerate(files + indexes)]
     counts = _count_rows(tasks, files + indexes, opts)
     work_path = posixpath.join(root, WORK_FOLDER)
     _remove(fs, work_path)  # what an interrupted run left: this run redoes all of it
     work = Work(fs.unstrip_protocol(work_path), opts,
                 partition_count(sum(counts), cluster_cpus()), cfg.max_distance,
-                cfg.max_colour_distance, cfg.perceptual)
-    units = _units(inputs, counts)
+                cfg.max_colour_distance, cfg.perceptual, source if covered else None)
+    units = _units(work_inputs, counts)
     read = _read_phase(tasks, work, units)
     read_s = time.perf_counter() - started
     unhashed = read["unhashed_index_rows"]
-    if unhashed:
+    if unhashed and not covered:
         say(f"dedup: {unhashed:,} index rows have no pixel hash of this version (an index "
             "written before it): they match on perceptual hashes only")
     say(f"dedup: joining {read['ok_rows']:,} rows' hashes (exact, "
         f"then near within {cfg.max_distance} bits, as banded Ray tasks; read in "
         f"{read_s:.1f} s)…")
-    decided = _decide(tasks, work, len(units), read["samples"],
-                      fs.unstrip_protocol(posixpath.join(root, DUPLICATES_FILE)))
+    final_duplicates = posixpath.join(root, DUPLICATES_FILE)
+    # an append writes beside the finished run's files, then swaps them in
+    written = posixpath.join(work_path, DUPLICATES_FILE) if covered else final_duplicates
+    decided = _decide(tasks, work, len(units), read["samples"], fs.unstrip_protocol(written),
+                      fs.unstrip_protocol(final_duplicates) if covered else None)
     decide_s = time.perf_counter() - started - read_s
     say(f"dedup: {decided['duplicates']:,} duplicates found in {decide_s:.1f} s; "
         "writing duplicates" + (" and index" if cfg.write_index else ""))
+    if covered:  # no completion marker while the finished run's files are replaced
+        fs.rm(stats_path)
+        fs.mv(written, final_duplicates)
     if cfg.write_index:
         _write_index(tasks, work, len(units), read["ok_rows"] + read["index_rows"],
-                     source or _default_source(out_dir), fs, root)
+                     source, fs, root)
     _remove(fs, work_path)
     status = read["status"]
     stats = {
@@ -350,10 +435,15 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
         "index_rows_without_pixel_hash": unhashed,
         "index_written": cfg.write_index,
         "inputs_digest": digest,
+        "covered": inputs.coverage(),
+        "last_run": {"mode": "append" if covered else "full", "raw_files_read": len(files),
+                     "index_rows_read": read["index_rows"]},
         "seconds": {"read": round(read_s, 3), "decide": round(decide_s, 3),
                     "total": round(time.perf_counter() - started, 3),
                     "phases": {k: round(v, 3) for k, v in tasks.seconds.items()}},
     }
+    if covered:
+        stats = _added_to(finished, stats)
     # Written last: the stats file is the completion marker.
     _write_atomic(fs, stats_path, json.dumps(stats, indent=2).encode())
     return stats
