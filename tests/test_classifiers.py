@@ -319,6 +319,7 @@ def test_the_second_pass_encodes_only_rows_the_scoring_pass_did_not(models, raw,
     import shutil
 
     from pairforge.filters.clip import ClipStep
+    from pairforge.pipeline.plan import Decisions
     from pairforge.pipeline.stream import load_rows
     from pairforge.shards.storage import OutputDir
     from pairforge.shards.training import write_embeddings
@@ -329,14 +330,14 @@ def test_the_second_pass_encodes_only_rows_the_scoring_pass_did_not(models, raw,
         {"name": "linear", "backend": "clip-head", "path": models["linear"]}],
         mode="top_fraction"))
     step = ClipStep(cfg)
-    first = load_rows(pa.table({"shard": [0], "duplicates": [[]]}), str(out), {})
+    first = load_rows(pa.table({"shard": [0]}), str(out), {}, Decisions(()))
     keys = first["key"].to_pylist()
     scored = step(first.slice(1))  # the scoring pass, one row short of the shard
     (out / "clip").mkdir()
     pq.write_table(scored.select(["key", "clip_score"]), out / "clip" / "00000.parquet")
     write_embeddings(OutputDir(str(out)), 0, keys[1:], scored["clip_embedding"].to_pylist())
 
-    second = load_rows(pa.table({"shard": [0], "duplicates": [[]]}), str(out), {},
+    second = load_rows(pa.table({"shard": [0]}), str(out), {}, Decisions(()),
                        "clip_score", "clip_embedding")
     assert second["clip_embedding"].to_pylist()[1:] == scored["clip_embedding"].to_pylist()
     assert second["clip_embedding"][0].as_py() is None

@@ -177,7 +177,7 @@ def write_scored_shards(out: Path, x: np.ndarray, keys: list[str], scores: list[
 def test_semantic_pass_on_ray_matches_the_algorithm_and_is_reused(tmp_path, ray_local):
     from pairforge.config import parse_config
     from pairforge.filters.clip import ClipStep
-    from pairforge.pipeline.plan import read_duplicates
+    from pairforge.pipeline.plan import decisions
     from pairforge.pipeline.semantic_stage import run_semantic_dedup
 
     x, _ = planted(3000, 64, 200, seed=4)
@@ -200,9 +200,13 @@ def test_semantic_pass_on_ray_matches_the_algorithm_and_is_reused(tmp_path, ray_
     assert table.equals(expected.duplicates)
     assert stats["embeddings"] == keep.sum() and stats["duplicate_semantic"] == len(table) > 50
     # stage 3's plan skips them and the writer gives them their status
-    planned = read_duplicates(_out(tmp_path), cfg)
-    assert sum(len(d) for d in planned.values()) == len(table)
-    assert {kind for d in planned.values() for kind, _ in d.values()} == {"duplicate_semantic"}
+    planned = decisions(_out(tmp_path), cfg)
+    counts = planned.counts()
+    assert sum(counts.values()) == len(table)
+    per_shard = [planned.of_shard(shard) for shard in counts]
+    assert [len(d) for d in per_shard] == list(counts.values())
+    assert sum(len(d) for d in per_shard) == len(table)
+    assert {kind for d in per_shard for kind, _ in d.values()} == {"duplicate_semantic"}
     # a finished pass is reused while its inputs are the same
     (tmp_path / "dedup" / "semantic.parquet").write_bytes(b"changed")
     assert run_semantic_dedup(cfg, _out(tmp_path), steps=[ClipStep]) == stats

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from pairforge.config import PairforgeConfig
 from pairforge.pipeline.placement import TASK_CPUS, add_steps, fit_actor_cpus
-from pairforge.pipeline.plan import ShardPlan
+from pairforge.pipeline.plan import Decisions, ShardPlan
 from pairforge.pipeline.progress import StageDisplay
 from pairforge.pipeline.ray_runtime import quiet_ray_data
 from pairforge.records import RAW_COLUMNS, STEP_INPUT_COLUMNS, Status
@@ -109,18 +109,18 @@ def _cached_embeddings(out: OutputDir, shard_id: int, keys: list[str]) -> pa.Arr
     return pa.array(vectors, pa.list_(pa.float32()))
 
 
-def load_rows(batch: pa.Table, out_url: str, storage_options: dict,
+def load_rows(batch: pa.Table, out_url: str, storage_options: dict, found: Decisions,
               score: str | None = None, embedding: str | None = None) -> pa.Table:
-    """Ray Data map: (shard id, its duplicate keys) in, the rows the steps must process out
-    (with images). Each shard's parquet and tar are read once here. A shard the scoring
+    """Ray Data map: shard ids in, the rows the steps must process out (with images): ok
+    rows less the shard's duplicates, which ``found`` reads for this shard alone. Each
+    shard's parquet and tar are read once here. A shard the scoring
     pass scored comes with its cached ``score`` column and, when a step reads it, the
     ``embedding`` column of its saved embeddings: no image is encoded twice."""
     out = OutputDir(out_url, storage_options)
     tables = []
-    for shard_id, duplicates in zip(batch["shard"].to_pylist(),
-                                    batch["duplicates"].to_pylist(), strict=True):
+    for shard_id in batch["shard"].to_pylist():
         raw = read_raw(out, shard_id, STEP_INPUT_COLUMNS)
-        skip = set(duplicates)
+        skip = found.of_shard(shard_id)
         keep = [s == Status.OK and k not in skip for k, s in zip(
             raw["key"].to_pylist(), raw["status"].to_pylist(), strict=True)]
         rows = raw.filter(pa.array(keep, pa.bool_()))
@@ -180,11 +180,11 @@ def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
             finish(plan.shard_id)
     todo = [p for p in plans if p.to_process]
     if todo:
-        # each reading task gets its own shard's duplicates, not the whole table
-        ds = ray.data.from_items([{"shard": p.shard_id, "duplicates": sorted(p.duplicates)}
-                                  for p in todo], override_num_blocks=len(todo))
+        # each reading task reads its own shard's duplicates, the driver none
+        ds = ray.data.from_items([{"shard": p.shard_id} for p in todo],
+                                 override_num_blocks=len(todo))
         ds = ds.map_batches(load_rows, batch_size=1, batch_format="pyarrow", num_cpus=TASK_CPUS,
-                            fn_args=(out.url, cfg.output.storage_options,
+                            fn_args=(out.url, cfg.output.storage_options, todo[0].decisions,
                                      *_cached_columns(steps)))
         actor_cpus = fit_actor_cpus(steps, cfg, ray.cluster_resources().get("CPU", 1.0))
         ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=drop)

@@ -42,7 +42,7 @@ def write_shard_task(cfg: PairforgeConfig, plan: ShardPlan, results: pa.Table,
                      stats_extra: dict[str, Any], steps: list[type[Step]]) -> dict[str, Any]:
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     raw = read_raw(out, plan.shard_id)
-    rows = final_rows(raw, plan.duplicates, results)
+    rows = final_rows(raw, plan.duplicates(), results)
     stats = {**stats_extra, "settings": settings_record(plan.settings),
              "step_stats": step_stats(steps, plan.to_process, rows)}
     for row in rows:

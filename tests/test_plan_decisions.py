@@ -1,0 +1,37 @@
+"""Stage 3's plan counts each shard's duplicates without holding their keys, and each
+shard's task reads its own key range of the sorted dedup tables (pipeline/plan.py)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pairforge.filters.dedup import DUPLICATES_SCHEMA
+from pairforge.pipeline.plan import Decisions
+from pairforge.records import make_key
+
+
+def _table(keys: list[str], kind: str) -> pa.Table:
+    return pa.table({"key": keys, "kind": [kind] * len(keys), "cluster_id": keys,
+                     "kept_key": [f"k{k}" for k in keys], "kept_source": [None] * len(keys),
+                     "distance": [0] * len(keys)}, schema=DUPLICATES_SCHEMA)
+
+
+def test_counts_and_one_shards_range(tmp_path):
+    # shards 3, 10000 and 100000: shard 100000's keys sort inside shard 10000's range
+    keys = sorted([make_key(3, i) for i in range(5)] + [make_key(10_000, i) for i in (0, 7)]
+                  + [make_key(100_000, i) for i in (0, 1, 2)])
+    assert make_key(10_000, 0) < make_key(100_000, 2) < make_key(10_000, 9_999)
+    hashed = tmp_path / "duplicates.parquet"
+    pq.write_table(_table(keys, "duplicate_near"), hashed, row_group_size=3)
+    semantic = tmp_path / "semantic.parquet"
+    pq.write_table(_table([make_key(3, 4), make_key(3, 9)], "duplicate_semantic"), semantic)
+    found = Decisions((str(hashed), str(semantic)))
+    assert found.counts() == {3: 7, 10_000: 2, 100_000: 3}
+    assert found.of_shard(10_000) == {make_key(10_000, 0): ("duplicate_near", "k100000000"),
+                                      make_key(10_000, 7): ("duplicate_near", "k100000007")}
+    assert sorted(found.of_shard(100_000)) == [make_key(100_000, i) for i in (0, 1, 2)]
+    # the later table's decision wins for a key in both (as the writer applies them)
+    assert found.of_shard(3)[make_key(3, 4)] == ("duplicate_semantic", "k000030004")
+    assert len(found.of_shard(3)) == 6 and found.of_shard(4) == {}
+    assert Decisions(()).counts() == {} and Decisions(()).of_shard(3) == {}
