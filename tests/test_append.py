@@ -89,7 +89,7 @@ def test_two_new_files_become_new_shards_and_touch_no_earlier_one(tmp_path):
     # stage 2 read only the two new raw shards, against the first run's 9 survivors
     dedup = json.loads((out / "dedup" / "dedup_stats.json").read_text())
     assert dedup["last_run"] == {"mode": "append", "raw_files_read": 2,
-                                 "index_rows_read": 9}
+                                 "rewritten_raw_files": 0, "index_rows_read": 9}
     assert (dedup["ok_rows"], dedup["kept"], dedup["duplicate_exact"]) == (14, 13, 1)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["funnel"]["input_rows"] == 14

@@ -618,10 +618,11 @@ def test_append_reads_only_new_shards_and_earlier_survivors_stay(coco, tmp_path,
     write_raw_shards(raw, [larger], shards=1, first=3)
     said: list[str] = []
     grown = run_dedup(str(raw), str(out), DedupConfig(), RAY, say=said.append)
-    assert said[0] == ("dedup: 1 raw shards added after the 3 this dedup covered: only "
-                       "they are read, against its index")
+    assert said[0] == ("dedup: 1 raw shards added after the 3 this dedup covered, 0 "
+                       "rewritten by --retry-failed: only their new rows are read, against "
+                       "its index")
     assert grown["last_run"] == {"mode": "append", "raw_files_read": 1,
-                                 "index_rows_read": first["kept"]}
+                                 "rewritten_raw_files": 0, "index_rows_read": first["kept"]}
     after = pq.read_table(out / "duplicates.parquet")
     assert after.slice(0, len(before)).equals(before)  # earlier decisions as they were
     assert after.slice(len(before)).to_pylist() == [
@@ -636,14 +637,38 @@ def test_append_reads_only_new_shards_and_earlier_survivors_stay(coco, tmp_path,
     index = pq.read_table(out / "index.parquet")
     assert len(index) == first["kept"] and larger.key not in index["key"].to_pylist()
     assert set(index["source"].to_pylist()) == {str(tmp_path)}
-    # unchanged inputs reuse it; a full run (--force) decides afresh: the larger copy wins
-    assert run_dedup(str(raw), str(out), DedupConfig(), RAY) == grown
+    # --retry-failed rewrites shard 1: a timeout row is ok now, another larger copy
+    assert run_dedup(str(raw), str(out), DedupConfig(), RAY) == grown  # unchanged: reused
+    retried = replace(larger, key="900010000", sha256="1" * 64,
+                      pixel_hash="e" * len(alone.pixel_hash))
+    shard = pq.read_table(raw / "00001.parquet")
+    rows = shard.to_pylist()
+    at = [r["key"] for r in rows].index(retried.key)
+    rows[at].update(status="ok", sha256=retried.sha256, pixel_hash=retried.pixel_hash,
+                    phash=retried.phash, phash_mirror=retried.phash_mirror,
+                    crop_phashes=list(retried.crop_phashes), original_width=retried.width,
+                    original_height=retried.height)
+    pq.write_table(pa.Table.from_pylist(rows, shard.schema), raw / "00001.parquet")
+    (raw / "00001_stats.json").write_text(json.dumps({"retried": {"runs": 1}}))
+    again = run_dedup(str(raw), str(out), DedupConfig(), RAY)
+    assert again["last_run"] == {"mode": "append", "raw_files_read": 1,
+                                 "rewritten_raw_files": 1, "index_rows_read": first["kept"]}
+    assert pq.read_table(out / "duplicates.parquet").slice(len(after)).to_pylist() == [
+        {"key": retried.key, "kind": "duplicate_near", "cluster_id": alone.key,
+         "kept_key": alone.key, "kept_source": None, "distance": 0}]
+    assert again["status_counts"] == {"ok": len(coco) + 2, "timeout": 11}
+    assert (again["rows_in"], again["ok_rows"], again["duplicates"], again["kept"]) == (
+        grown["rows_in"], grown["ok_rows"] + 1, grown["duplicates"] + 1, first["kept"])
+    # a shard rewritten otherwise (no new retry run) cannot be appended: a full run
+    shard = pq.read_table(raw / "00002.parquet")
+    pq.write_table(shard.slice(0, len(shard) - 1), raw / "00002.parquet")
+    assert run_dedup(str(raw), str(out), DedupConfig(), RAY)["last_run"]["mode"] == "full"
+    # a full run (--force) decides afresh: a larger copy wins
     forced = run_dedup(str(raw), str(out), DedupConfig(), RAY, force=True)
     assert forced["last_run"]["mode"] == "full"
-    assert forced["inputs_digest"] == grown["inputs_digest"]
     lost = pq.read_table(out / "duplicates.parquet").filter(
         pc.equal(pc.field("key"), alone.key)).to_pylist()
-    assert [r["kept_key"] for r in lost] == [larger.key]
+    assert [r["kept_key"] for r in lost] in ([larger.key], [retried.key])
 
 def test_stage_refuses_missing_inputs(tmp_path, ray_local):
     from pairforge.pipeline.dedup_stage import run_dedup

@@ -35,3 +35,23 @@ def test_counts_and_one_shards_range(tmp_path):
     assert found.of_shard(3)[make_key(3, 4)] == ("duplicate_semantic", "k000030004")
     assert len(found.of_shard(3)) == 6 and found.of_shard(4) == {}
     assert Decisions(()).counts() == {} and Decisions(()).of_shard(3) == {}
+
+
+def test_merge_sorted_streams_two_sorted_tables_into_one():
+    import random
+
+    from pairforge.filters.dedup_parts import merge_sorted
+
+    rng = random.Random(3)
+    for _ in range(50):
+        keys = sorted({f"{rng.randrange(10_000):09d}" for _ in range(rng.randrange(60))})
+        earlier = sorted(k for k in keys if rng.random() < 0.6)
+        new = sorted(set(keys) - set(earlier))
+
+        def chunks(values: list[str]) -> list[pa.Table]:
+            cuts = sorted(rng.sample(range(len(values) + 1), min(3, len(values) + 1)))
+            bounds = [0, *cuts, len(values)]
+            return [_table(values[a:b], "duplicate_near") for a, b in zip(bounds, bounds[1:])]
+
+        merged = list(merge_sorted(iter(chunks(earlier)), iter(chunks(new))))
+        assert [k for t in merged for k in t["key"].to_pylist()] == keys

@@ -18,6 +18,7 @@ from loopback_server import LoopbackServer
 from pairforge.config import parse_config
 from pairforge.pipeline.download_stage import run_download
 from pairforge.pipeline.entry import RunOptions
+from pairforge.pipeline.dedup_stage import run_dedup
 from pairforge.pipeline.retry_failed import run_retry_failed
 from pairforge.records import Status, is_transient_failure
 
@@ -113,6 +114,10 @@ def test_retry_failed_refetches_only_transient_rows_and_leaves_other_shards(
     statuses = [r["status"] for r in first]
     assert statuses.count("ok") == 34 and statuses.count("http_error") == 5
     assert statuses[22] == "download_error"
+    # stage 2 before the retry: every ok row is the same image, one kept
+    dedup = str(tmp_path / "out" / "dedup")
+    decided = run_dedup(str(raw), dedup, cfg.dedup, cfg.ray)
+    assert (decided["ok_rows"], decided["kept"], decided["duplicate_exact"]) == (34, 1, 33)
     before = _files(raw)
     samples_before = {s: _samples(raw, s) for s in range(4)}
     hits_before = {u: server.hits(_path(u)) for u in urls}
@@ -158,6 +163,17 @@ def test_retry_failed_refetches_only_transient_rows_and_leaves_other_shards(
     # the training shard made from the old shard 1 is incomplete now; shard 0's is not
     assert not (tmp_path / "out" / "shards" / "00001_stats.json").exists()
     assert (tmp_path / "out" / "shards" / "00000_stats.json").exists()
+
+    # stage 2 again: only the four rows the retry made ok are read and decided, against
+    # the earlier survivor; no earlier decision moves
+    appended = run_dedup(str(raw), dedup, cfg.dedup, cfg.ray)
+    assert appended["last_run"] == {"mode": "append", "raw_files_read": 2,
+                                    "rewritten_raw_files": 2, "index_rows_read": 1}
+    assert (appended["ok_rows"], appended["kept"], appended["duplicate_exact"]) == (38, 1, 37)
+    assert appended["status_counts"] == {"http_error": 2, "ok": 38}
+    table = pq.read_table(tmp_path / "out" / "dedup" / "duplicates.parquet")
+    assert len(set(table["kept_key"].to_pylist())) == 1 and table["key"].to_pylist() == \
+        sorted(r["key"] for r in after if r["status"] == "ok")[1:]
 
     # nothing transient is left: a second retry touches nothing
     settled = _files(raw)

@@ -33,9 +33,11 @@ the order the single-process algorithm concatenates them, so ties are broken as 
 
 from __future__ import annotations
 
+import json
 import math
 import posixpath
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +135,9 @@ class Work:
     # rows are read back as index rows (they win, as shipped rows) with no source, so
     # that a new row dropped for one is a duplicate within this build
     own_source: str | None = None
+    # (duplicates, index) URLs of that finished run: a raw shard that --retry-failed
+    # rewrote since is read again, less the rows those files hold decisions for
+    earlier: tuple[str, str] | None = None
 
     def fs(self) -> fsspec.AbstractFileSystem:
         return fsspec.core.url_to_fs(self.root, **self.storage_options)[0]
@@ -158,6 +163,7 @@ class InputFile:
     number: int  # its place among all inputs: raw shards first, then index files
     url: str
     index: bool  # an index file of an earlier build
+    rewritten: bool = False  # a raw shard rewritten since the finished run read it
 
 
 def count_rows(urls: list[str], storage_options: dict[str, Any]) -> list[int]:
@@ -255,12 +261,64 @@ def _key_sample(keys: pa.ChunkedArray) -> list[str]:
     return keys.take(ordered.take(pa.array(picks))).to_pylist()
 
 
+def _range_keys(url: str, storage_options: dict[str, Any], low: str, high: str,
+                source: str | None = None) -> pa.Array:
+    """The keys from ``low`` to ``high`` of a table sorted by key (row groups outside the
+    range are skipped by their statistics), of one ``source`` when given."""
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    bounds = [("key", ">=", low), ("key", "<=", high)]
+    if source is not None:
+        bounds.append(("source", "==", source))
+    with fs.open(path, "rb") as handle:
+        return pq.read_table(handle, columns=["key"], filters=bounds)["key"].combine_chunks()
+
+
+def decided_keys(work: Work, low: str, high: str) -> pa.Array:
+    """Keys from ``low`` to ``high`` the finished run of an append decided: its duplicates
+    and its own survivors (its index rows of this build)."""
+    assert work.earlier is not None and work.own_source is not None
+    duplicates, index = work.earlier
+    fs, folder = fsspec.core.url_to_fs(index, **work.storage_options)
+    found = [_range_keys(duplicates, work.storage_options, low, high)]
+    for part in sorted(fs.glob(posixpath.join(folder, "*.parquet"))):
+        found.append(_range_keys(fs.unstrip_protocol(part), work.storage_options, low, high,
+                                 work.own_source))
+    return pa.concat_arrays([k.cast(pa.string()) for k in found])
+
+
+def retry_runs(url: str, storage_options: dict[str, Any]) -> int:
+    """How often ``--retry-failed`` rewrote a raw shard (its stats file says)."""
+    fs, path = fsspec.core.url_to_fs(url.removesuffix(".parquet") + "_stats.json",
+                                     **storage_options)
+    if not fs.exists(path):  # a raw folder not written by stage 1 (tests, other tools)
+        return 0
+    with fs.open(path, "rb") as handle:
+        return int((json.load(handle).get("retried") or {}).get("runs", 0))
+
+
+def _undecided(work: Work, rows: pa.Table) -> pa.Table:
+    """A rewritten raw shard's ok rows less those the finished run decided: the rows
+    --retry-failed made ok since."""
+    if not len(rows):
+        return rows
+    keys = rows["key"]
+    known = decided_keys(work, pc.min(keys).as_py(), pc.max(keys).as_py())
+    return rows.filter(pc.invert(pc.is_in(keys, value_set=known)))
+
+
 def scatter(work: Work, unit: int, files: list[InputFile]) -> dict[str, Any]:
-    """Phase 1: read inputs, write rows, keys, exact hashes and usable values by partition."""
+    """Phase 1: read inputs, write rows, keys, exact hashes and usable values by partition;
+    returns the counts, and per raw shard its statuses and retry runs (``files``)."""
     fs, parts = work.fs(), work.parts
     tables, status, unhashed = [ROW_SCHEMA.empty_table()], Counter(), 0
+    described: dict[int, dict[str, Any]] = {}
     for file in files:
         rows, counts, missing = _input_rows(file, work.storage_options, work.own_source)
+        if file.rewritten:
+            rows = _undecided(work, rows)
+        if not file.index:
+            described[file.number] = {"status": counts,
+                                      "retry_runs": retry_runs(file.url, work.storage_options)}
         tables.append(rows.cast(ROW_SCHEMA))
         status.update(counts)
         unhashed += missing
@@ -285,7 +343,7 @@ def scatter(work: Work, unit: int, files: list[InputFile]) -> dict[str, Any]:
             "index_rows": int((~new).sum()), "unhashed_index_rows": unhashed,
             "missing_phash": int((~whole_ok & new).sum()),
             "degenerate_whole": int(degenerate_whole.sum()),
-            "key_sample": _key_sample(keys)}
+            "key_sample": _key_sample(keys), "files": described}
 
 
 def _write_exact(fs: fsspec.AbstractFileSystem, path: str, table: pa.Table,
@@ -543,35 +601,64 @@ def sort_range(work: Work, key_range: int, schema: pa.Schema = DUPLICATES_SCHEMA
     return len(found)
 
 
+def _earlier_groups(url: str, storage_options: dict[str, Any], schema: pa.Schema
+                    ) -> Iterator[pa.Table]:
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    with fs.open(path, "rb") as handle:
+        reader = pq.ParquetFile(handle)
+        for group in range(reader.num_row_groups):
+            yield reader.read_row_group(group).cast(schema)
+
+
+def _last_key(tables: list[pa.Table]) -> str | None:
+    for table in reversed(tables):
+        if len(table):
+            return table["key"][-1].as_py()
+    return None
+
+
+def merge_sorted(earlier: Iterator[pa.Table], new: Iterator[pa.Table]) -> Iterator[pa.Table]:
+    """Two streams of tables sorted by key, as one: an earlier group at a time with the
+    new rows that sort up to its last key (only those wait in memory)."""
+    by_key = [("key", "ascending")]
+    pending: list[pa.Table] = []
+    for group in earlier:
+        if not len(group):
+            continue
+        last = group["key"][-1]
+        while (seen := _last_key(pending)) is None or seen <= last.as_py():
+            more = next(new, None)
+            if more is None:
+                break
+            pending.append(more)
+        if not pending:
+            yield group
+            continue
+        waiting = pa.concat_tables([group.schema.empty_table(), *pending])
+        up_to = pc.less_equal(waiting["key"], last)
+        pending = [waiting.filter(pc.invert(up_to))]
+        both = pa.concat_tables([group, waiting.filter(up_to)])
+        yield both.take(pc.sort_indices(both, sort_keys=by_key))
+    yield from pending
+    yield from new
+
+
 def concat_sorted(work: Work, ranges: int, out_url: str,
-                  schema: pa.Schema = DUPLICATES_SCHEMA, first: str | None = None) -> None:
+                  schema: pa.Schema = DUPLICATES_SCHEMA, earlier: str | None = None) -> None:
     """Phase 8b: the sorted key ranges, in order, as one parquet file (a row group or more
-    per range: one range in memory at a time). ``first``: an earlier run's sorted table
-    whose keys all come before these (an append's new shards follow the last), copied
-    ahead of them a row group at a time."""
+    per range: one range in memory at a time). ``earlier``: an earlier run's sorted table
+    merged in by key (an append), a row group at a time."""
     fs = work.fs()
     out_fs, out_path = fsspec.core.url_to_fs(out_url, **work.storage_options)
     out_fs.makedirs(posixpath.dirname(out_path), exist_ok=True)
-    last_key = None
+    found = (read_tables(fs, [work.file("sorted", r)], schema) for r in range(ranges))
+    if earlier is not None:
+        found = merge_sorted(_earlier_groups(earlier, work.storage_options, schema), found)
     with atomic_writer(out_fs, out_path) as handle, \
             pq.ParquetWriter(handle, schema) as writer:
-        if first is not None:
-            first_fs, first_path = fsspec.core.url_to_fs(first, **work.storage_options)
-            with first_fs.open(first_path, "rb") as earlier:
-                reader = pq.ParquetFile(earlier)
-                for group in range(reader.num_row_groups):
-                    table = reader.read_row_group(group).cast(schema)
-                    if len(table):
-                        writer.write_table(table)
-                        last_key = table["key"][-1].as_py()
-        for key_range in range(ranges):
-            found = read_tables(fs, [work.file("sorted", key_range)], schema)
-            if len(found):
-                if last_key is not None and found["key"][0].as_py() <= last_key:
-                    raise ValueError(f"appended key {found['key'][0]} sorts before the "
-                                     f"earlier run's last key {last_key}")
-                last_key = None
-                writer.write_table(found)
+        for table in found:
+            if len(table):
+                writer.write_table(table)
 
 
 # ------------------------------------------------------------------------------- index

@@ -37,6 +37,13 @@ from pairforge.config import DedupConfig, PairforgeConfig, RayConfig
 from pairforge.filters import dedup_parts as parts
 from pairforge.filters.dedup import DUPLICATES_SCHEMA, HASH_BITS, HASH_KINDS, plan_bands
 from pairforge.filters.dedup_parts import InputFile, Work
+from pairforge.pipeline.dedup_append import (
+    INDEX_FILE,
+    added_to,
+    covered_table,
+    plan_append,
+    write_covered,
+)
 from pairforge.pipeline.entry import RunOptions
 from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.pipeline.waves import READ_CPUS, Waves, cluster_cpus, components
@@ -44,7 +51,6 @@ from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir, atomic
 
 DUPLICATES_FILE = "duplicates.parquet"
 STATS_FILE = "dedup_stats.json"
-INDEX_FILE = "index.parquet"  # a folder of parts
 WORK_FOLDER = "work"
 
 # Partition sizes. Each partition task holds about this many rows (or 6x as many hash
@@ -181,22 +187,13 @@ class Inputs:
     def digest(self) -> str:
         return _digest({"config": self.config, "raw": self.raw, "index": self.index})
 
-    def coverage(self) -> dict[str, Any]:
-        """Recorded in the stats, so that a later run can tell an append (raw shards
-        after the last, all else the same) from any other change."""
-        return {"raw_files": len(self.raw), "raw_digest": _digest(self.raw),
-                "settings_digest": _digest({"config": self.config, "index": self.index})}
+    def settings_digest(self) -> str:
+        return _digest({"config": self.config, "index": self.index})
 
-    def covered_by(self, coverage: dict[str, Any] | None) -> int | None:
-        """How many leading raw shards a finished run covered, when these inputs only add
-        raw shards after them; else None."""
-        if not coverage:
-            return None
-        n = coverage["raw_files"]
-        mine = self.coverage()
-        if n >= len(self.raw) or coverage["settings_digest"] != mine["settings_digest"]:
-            return None
-        return n if _digest(self.raw[:n]) == coverage["raw_digest"] else None
+    def coverage(self) -> dict[str, Any]:
+        """Recorded in the stats (OUT/dedup/covered.parquet has each raw shard), so that a
+        later run can tell an append from any other change."""
+        return {"raw_files": len(self.raw), "settings_digest": self.settings_digest()}
 
 
 def inputs_digest(files: list[str], indexes: list[str], cfg: DedupConfig,
@@ -212,11 +209,13 @@ def _read_phase(tasks: Waves, work: Work, units: list[list[InputFile]]
     status: Counter[str] = Counter()
     totals: Counter[str] = Counter()
     samples: list[str] = []
+    described: dict[int, dict[str, Any]] = {}
     for result in found:
         status.update(result.pop("status"))
         samples += result.pop("key_sample")
+        described.update(result.pop("files"))
         totals.update(result)
-    return {"status": status, "samples": sorted(samples), **totals}
+    return {"status": status, "samples": sorted(samples), "files": described, **totals}
 
 
 def key_boundaries(samples: list[str], ranges: int) -> list[str]:
@@ -242,7 +241,7 @@ def _near_join(tasks: Waves, work: Work, n_values: int) -> tuple[int, str]:
 
 
 def _decide(tasks: Waves, work: Work, units: int, samples: list[str], out_url: str,
-            first: str | None = None) -> dict[str, int]:
+            earlier: str | None = None) -> dict[str, int]:
     """Phases 2-8: links, components, decisions; writes duplicates.parquet."""
     P = work.parts  # noqa: N806 - the partition count, as in the docs
     checked = tasks.run(parts.exact_groups, [(work, p, units) for p in range(P)])
@@ -268,7 +267,7 @@ def _decide(tasks: Waves, work: Work, units: int, samples: list[str], out_url: s
     decided = tasks.run(parts.decide, [(work, p, boundaries) for p in range(P)])
     ranges = len(boundaries) + 1
     tasks.run(parts.sort_range, [(work, r) for r in range(ranges)])
-    tasks.run(parts.concat_sorted, [(work, ranges, out_url, DUPLICATES_SCHEMA, first)])
+    tasks.run(parts.concat_sorted, [(work, ranges, out_url, DUPLICATES_SCHEMA, earlier)])
     totals: Counter[str] = Counter()
     for result in decided:
         totals.update(result)
@@ -325,42 +324,17 @@ def _remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
         fs.rm(path, recursive=True)
 
 
-def _appendable(finished: dict[str, Any] | None, inputs: Inputs,
-                fs: fsspec.AbstractFileSystem, root: str) -> int | None:
-    """The raw shards a finished run covered, when this run can add to it (an append):
-    only raw shards after them are new, and its index (its survivors) is on disk."""
-    if not finished or not finished.get("enabled") or not finished.get("index_written"):
-        return None
-    covered = inputs.covered_by(finished.get("covered"))
-    return covered if covered and fs.exists(posixpath.join(root, INDEX_FILE)) else None
-
-
-# counts an append adds to the finished run's; the run's own diagnostics are replaced
-_ADDED = ("rows_in", "raw_files", "ok_rows", "duplicates", *(k.value for k in HASH_KINDS),
-          "dropped_for_index", "clusters", "colour_splits", "kept", "degenerate_hashes",
-          "missing_phash")
-
-
-def _added_to(previous: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
-    """An append's stats: the finished run's counts plus this run's (its index rows read
-    are the build's own survivors, not an earlier build's)."""
-    status = Counter(previous["status_counts"]) + Counter(stats["status_counts"])
-    return {**stats, **{k: previous[k] + stats[k] for k in _ADDED},
-            "status_counts": dict(sorted(status.items())),
-            **{k: previous[k] for k in ("index_files", "index_rows",
-                                        "index_rows_without_pixel_hash")}}
-
-
 def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
               storage_options: dict | None = None, *, source: str | None = None,
               force: bool = False, say: Callable[[str], None] = lambda _: None) -> dict:
     """Stage 2: write ``out_dir/duplicates.parquet`` (+ index) and return the stats.
 
     A finished run (its stats file exists) is reused when it was computed from the same
-    config and raw/index files. When the only change is raw shards added after the last
-    (an append), only those are read, against the finished run's own index: its rows
-    win, as rows already shipped, and its decisions stay as they are. Otherwise, or with
-    ``force``, it is redone. ``source`` labels this build's rows in the index it writes
+    config and raw/index files. When the only changes are raw shards added after the last
+    and raw shards rewritten by ``--retry-failed`` (an append, ``dedup_append.py``), only
+    their new rows are read, against the finished run's own index: its rows win, as rows
+    already shipped, and its decisions stay as they are. Otherwise, or with ``force``, it
+    is redone. ``source`` labels this build's rows in the index it writes
     (default: the parent of out_dir). ``say`` gets a line as each phase starts.
     """
     opts = dict(storage_options or {})
@@ -378,52 +352,61 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
         say("dedup: the finished run matches the raw shards, index files and config: reused")
         return finished
     source = source or _default_source(out_dir)
-    covered = _appendable(finished, inputs, fs, root)
-    files, indexes = inputs.files, inputs.indexes
-    if covered:
-        files = files[covered:]
+    append = None if force else plan_append(finished, inputs.raw, inputs.files,
+                                            inputs.settings_digest(), fs, root, opts)
+    read = list(range(len(inputs.files)))  # the raw shards read, as positions
+    indexes = inputs.indexes
+    if append:
+        read = append.positions(len(inputs.files))
         indexes = _index_files([fs.unstrip_protocol(posixpath.join(root, INDEX_FILE))], opts)
-        say(f"dedup: {len(files)} raw shards added after the {covered} this dedup covered: "
-            "only they are read, against its index")
+        say(f"dedup: {len(inputs.files) - append.covered} raw shards added after the "
+            f"{append.covered} this dedup covered, {len(append.rewritten)} rewritten by "
+            "--retry-failed: only their new rows are read, against its index")
+    files = [inputs.files[p] for p in read]
+    if not append and fs.exists(stats_path):  # a full run replaces every file: no marker
+        fs.rm(stats_path)                      # may vouch for them while it does
     started = time.perf_counter()
     say(f"dedup: reading the hashes of {len(files)} raw shards and {len(indexes)} index "
         "files; starting Ray…")
     init_ray(ray_cfg)
     tasks = Waves(ray_cfg.max_task_retries)
-    work_inputs = [InputFile(i, url, i >= len(files))
+    rewritten = set(append.rewritten) if append else set()
+    work_inputs = [InputFile(i, url, i >= len(files), i < len(files) and read[i] in rewritten)
                    for i, url in enumerate(files + indexes)]
     counts = _count_rows(tasks, files + indexes, opts)
     work_path = posixpath.join(root, WORK_FOLDER)
     _remove(fs, work_path)  # what an interrupted run left: this run redoes all of it
     work = Work(fs.unstrip_protocol(work_path), opts,
                 partition_count(sum(counts), cluster_cpus()), cfg.max_distance,
-                cfg.max_colour_distance, cfg.perceptual, source if covered else None)
+                cfg.max_colour_distance, cfg.perceptual, source if append else None,
+                (fs.unstrip_protocol(posixpath.join(root, DUPLICATES_FILE)),
+                 fs.unstrip_protocol(posixpath.join(root, INDEX_FILE))) if append else None)
     units = _units(work_inputs, counts)
-    read = _read_phase(tasks, work, units)
+    found = _read_phase(tasks, work, units)
     read_s = time.perf_counter() - started
-    unhashed = read["unhashed_index_rows"]
-    if unhashed and not covered:
+    unhashed = found["unhashed_index_rows"]
+    if unhashed and not append:
         say(f"dedup: {unhashed:,} index rows have no pixel hash of this version (an index "
             "written before it): they match on perceptual hashes only")
-    say(f"dedup: joining {read['ok_rows']:,} rows' hashes (exact, "
+    say(f"dedup: joining {found['ok_rows']:,} rows' hashes (exact, "
         f"then near within {cfg.max_distance} bits, as banded Ray tasks; read in "
         f"{read_s:.1f} s)…")
     final_duplicates = posixpath.join(root, DUPLICATES_FILE)
     # an append writes beside the finished run's files, then swaps them in
-    written = posixpath.join(work_path, DUPLICATES_FILE) if covered else final_duplicates
-    decided = _decide(tasks, work, len(units), read["samples"], fs.unstrip_protocol(written),
-                      fs.unstrip_protocol(final_duplicates) if covered else None)
+    written = posixpath.join(work_path, DUPLICATES_FILE) if append else final_duplicates
+    decided = _decide(tasks, work, len(units), found["samples"], fs.unstrip_protocol(written),
+                      fs.unstrip_protocol(final_duplicates) if append else None)
     decide_s = time.perf_counter() - started - read_s
     say(f"dedup: {decided['duplicates']:,} duplicates found in {decide_s:.1f} s; "
         "writing duplicates" + (" and index" if cfg.write_index else ""))
-    if covered:  # no completion marker while the finished run's files are replaced
+    if append:  # no completion marker while the finished run's files are replaced
         fs.rm(stats_path)
         fs.mv(written, final_duplicates)
     if cfg.write_index:
-        _write_index(tasks, work, len(units), read["ok_rows"] + read["index_rows"],
+        _write_index(tasks, work, len(units), found["ok_rows"] + found["index_rows"],
                      source, fs, root)
     _remove(fs, work_path)
-    status = read["status"]
+    status = found["status"]
     stats = {
         "stage": "dedup",
         "enabled": True,
@@ -431,19 +414,22 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
         "index_files": len(indexes),
         "rows_in": sum(status.values()),
         "status_counts": dict(sorted(status.items())),
-        **_stats(decided, read, cfg.max_distance),
+        **_stats(decided, found, cfg.max_distance),
         "index_rows_without_pixel_hash": unhashed,
         "index_written": cfg.write_index,
         "inputs_digest": digest,
         "covered": inputs.coverage(),
-        "last_run": {"mode": "append" if covered else "full", "raw_files_read": len(files),
-                     "index_rows_read": read["index_rows"]},
+        "last_run": {"mode": "append" if append else "full", "raw_files_read": len(files),
+                     "rewritten_raw_files": len(append.rewritten) if append else 0,
+                     "index_rows_read": found["index_rows"]},
         "seconds": {"read": round(read_s, 3), "decide": round(decide_s, 3),
                     "total": round(time.perf_counter() - started, 3),
                     "phases": {k: round(v, 3) for k, v in tasks.seconds.items()}},
     }
-    if covered:
-        stats = _added_to(finished, stats)
+    if append:
+        stats = added_to(finished, stats, append.replaced_status())
+    write_covered(fs, root, covered_table(inputs.raw, read, found["files"],
+                                          append.earlier if append else None))
     # Written last: the stats file is the completion marker.
     _write_atomic(fs, stats_path, json.dumps(stats, indent=2).encode())
     return stats
