@@ -51,7 +51,8 @@ def test_merge_sorted_streams_two_sorted_tables_into_one():
         def chunks(values: list[str]) -> list[pa.Table]:
             cuts = sorted(rng.sample(range(len(values) + 1), min(3, len(values) + 1)))
             bounds = [0, *cuts, len(values)]
-            return [_table(values[a:b], "duplicate_near") for a, b in zip(bounds, bounds[1:], strict=False)]
+            return [_table(values[a:b], "duplicate_near")
+                    for a, b in zip(bounds, bounds[1:], strict=False)]
 
         merged = list(merge_sorted(iter(chunks(earlier)), iter(chunks(new))))
         assert [k for t in merged for k in t["key"].to_pylist()] == keys
