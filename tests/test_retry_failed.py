@@ -16,9 +16,9 @@ from conftest import COCO_IMAGES
 from loopback_server import LoopbackServer
 
 from pairforge.config import parse_config
+from pairforge.pipeline.dedup_stage import run_dedup
 from pairforge.pipeline.download_stage import run_download
 from pairforge.pipeline.entry import RunOptions
-from pairforge.pipeline.dedup_stage import run_dedup
 from pairforge.pipeline.retry_failed import run_retry_failed
 from pairforge.records import Status, is_transient_failure
 
