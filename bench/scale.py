@@ -24,6 +24,11 @@ compares the duplicates and the stats (sizes up to 10^6).
 ``semantic``: stage 3's semantic dedup pass over synthetic 512-d embeddings, up to
 2·10^6 rows (a larger size is measured at 2·10^6); bench/scale_semantic.py says how.
 
+``shards``: stage 3's plan (``pipeline/plan.Decisions``) over a duplicates table of a
+tenth of the rows in 10^4-row shards: the per-shard counts it holds, and one shard's
+key range as its task reads it, against the dict of every decision the plan held before
+(both in fresh processes; the same counts checked).
+
 ``--quick`` stops at 10^6 rows. ``--json FILE`` writes
 ``{"<stage>": {"<rows>": {"driver_peak_rss_mib": …, "seconds": …}}}``.
 """
@@ -205,6 +210,55 @@ def measure_plan(rows: int, work: Path, args: argparse.Namespace) -> dict[str, A
     return plan(rows, work)
 
 
+SHARDS_PLAN_DRIVER = textwrap.dedent("""
+    import json, sys, time
+    from collections import defaultdict
+    import pyarrow.parquet as pq
+    from pairforge.pipeline.plan import Decisions
+    from pairforge.records import shard_of_key
+    path, how = sys.argv[1], sys.argv[2]
+    started = time.perf_counter()
+    if how == "counts":  # what plan_shards does now: counts per shard, no key kept
+        counts = Decisions((path,)).counts()
+        one = len(Decisions((path,)).of_shard(7))  # what one shard's task reads
+        found = {"shards": len(counts), "dropped": sum(counts.values()), "shard_7": one}
+    else:  # what it did before: every decision in a dict per shard on the driver
+        table = pq.read_table(path, columns=["key", "kind", "kept_key"])
+        by_shard = defaultdict(dict)
+        for key, kind, kept in zip(table["key"].to_pylist(), table["kind"].to_pylist(),
+                                   table["kept_key"].to_pylist()):
+            by_shard[shard_of_key(key, 4)][key] = (kind, kept)
+        found = {"shards": len(by_shard), "dropped": sum(map(len, by_shard.values())),
+                 "shard_7": len(by_shard[7])}
+    print(json.dumps({"seconds": time.perf_counter() - started,
+                      "driver_peak_rss_mib": PEAK, **found}))
+""").replace("PEAK", PEAK)
+
+
+def measure_shards(rows: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Stage 3's plan over a duplicates table of a tenth of ``rows`` (10^4-row shards):
+    the counts it holds now against the dict of every decision it held before."""
+    from pairforge.filters.dedup import DUPLICATES_SCHEMA
+    from pairforge.records import make_key
+
+    rng = np.random.default_rng(args.seed)
+    path = work / f"duplicates-{rows}.parquet"
+    dropped = np.sort(rng.choice(rows, rows // 10, replace=False))
+    with pq.ParquetWriter(path, DUPLICATES_SCHEMA) as writer:
+        for chunk in np.array_split(dropped, max(1, len(dropped) // 1_000_000)):
+            keys = [make_key(int(i) // SHARD_ROWS, int(i) % SHARD_ROWS) for i in chunk]
+            writer.write_table(pa.table({
+                "key": keys, "kind": ["duplicate_near"] * len(keys), "cluster_id": keys,
+                "kept_key": keys, "kept_source": pa.nulls(len(keys), pa.string()),
+                "distance": pa.array(np.ones(len(keys), np.int32))}, schema=DUPLICATES_SCHEMA))
+    now = _python(SHARDS_PLAN_DRIVER, str(path), "counts")
+    before = _python(SHARDS_PLAN_DRIVER, str(path), "dict")
+    path.unlink()
+    assert {k: now[k] for k in ("shards", "dropped", "shard_7")} == \
+        {k: before[k] for k in ("shards", "dropped", "shard_7")}
+    return {**now, "before": {k: before[k] for k in ("seconds", "driver_peak_rss_mib")}}
+
+
 SEMANTIC_LARGEST = 2 * 10**6  # x 512 floats: 4 GiB of embeddings on disk
 
 
@@ -218,6 +272,7 @@ STAGES: dict[str, Callable[[int, Path, argparse.Namespace], dict[str, Any]]] = {
     "plan": measure_plan,
     "dedup": measure_dedup,
     "semantic": measure_semantic,
+    "shards": measure_shards,
 }
 
 
