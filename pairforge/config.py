@@ -621,6 +621,8 @@ class ServeConfig(Strict):
                                  "addresses applies)")
     token_env: str | None = Field(None, description="environment variable holding a bearer "
                                   "token every caption request must carry (null: none)")
+    access_log: bool = Field(True, description="Serve's access log line per request in the "
+                             "replica's log file (off: a little less work per request)")
     cache: ServeCacheConfig = Field(default_factory=ServeCacheConfig)
 
     @model_validator(mode="after")

@@ -386,3 +386,6 @@ def test_deployment_options_fixed_or_autoscaling() -> None:
     assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4,
                                             "target_ongoing_requests": 8.0}
     assert scaled["max_ongoing_requests"] == 64
+    assert scaled["logging_config"] == {"enable_access_log": True}
+    quiet = deployment_options(parse_config(_config(access_log=False)))
+    assert quiet["logging_config"] == {"enable_access_log": False}

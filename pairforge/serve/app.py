@@ -230,7 +230,8 @@ def deployment_options(cfg: PairforgeConfig) -> dict[str, Any]:
     if rc.resources:
         actor["resources"] = dict(rc.resources)
     options: dict[str, Any] = {"ray_actor_options": actor,
-                               "max_ongoing_requests": s.max_ongoing_requests}
+                               "max_ongoing_requests": s.max_ongoing_requests,
+                               "logging_config": {"enable_access_log": s.access_log}}
     if s.max_replicas is not None:
         options["autoscaling_config"] = {
             "min_replicas": s.min_replicas, "max_replicas": s.max_replicas,
