@@ -264,8 +264,11 @@ def start(cfg) -> str:  # noqa: ANN001
     url = start_service(cfg, "127.0.0.1", 18000 + random.randrange(1000))
     while True:
         try:
-            if requests.get(url + "/readyz", timeout=5).status_code == 200:
+            answer = requests.get(url + "/readyz", timeout=5)
+            if answer.status_code == 200:
                 return url
+            if "still loading" not in answer.text:  # the models failed to load: say why
+                raise SystemExit(f"the service did not start: {answer.text}")
         except requests.ConnectionError:
             pass
         time.sleep(0.5)
