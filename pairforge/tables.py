@@ -3,7 +3,8 @@ local or any fsspec URL, with pyarrow.
 
 The build's input lists (download/split.py, in batches: an input file can be larger than
 a task's memory) and ``pairforge recaption-eval``'s reference tables (recaption/evaluate.py,
-whole) read through here, so both take the same formats.
+whole) read through here, so both take the same formats. ``read_key_range`` reads a key
+range of a parquet table sorted by key (the dedup tables and index parts).
 """
 
 from __future__ import annotations
@@ -36,6 +37,18 @@ def detect_format(path: str) -> str:
         if name.endswith("." + fmt):
             return fmt
     raise ConfigError(f"cannot tell the format of input {path!r}: set input.format")
+
+
+def read_key_range(url: str, storage_options: dict, columns: list[str], low: str, high: str,
+                   source: str | None = None) -> pa.Table:
+    """The rows with ``low <= key <= high`` of a parquet table sorted by key (row groups
+    outside the range are skipped by their statistics), of one ``source`` when given."""
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    bounds = [("key", ">=", low), ("key", "<=", high)]
+    if source is not None:
+        bounds.append(("source", "==", source))
+    with fs.open(path, "rb") as handle:
+        return pq.read_table(handle, columns=columns, filters=bounds)
 
 
 def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:

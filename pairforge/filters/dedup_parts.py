@@ -89,6 +89,7 @@ from pairforge.filters.shuffle import (
 )
 from pairforge.records import HASH_COLUMNS
 from pairforge.shards.storage import atomic_writer
+from pairforge.tables import read_key_range
 
 _WHOLE = 0
 _FILE_SHIFT = 32  # pos = file number << 32 | row number
@@ -261,29 +262,18 @@ def _key_sample(keys: pa.ChunkedArray) -> list[str]:
     return keys.take(ordered.take(pa.array(picks))).to_pylist()
 
 
-def _range_keys(url: str, storage_options: dict[str, Any], low: str, high: str,
-                source: str | None = None) -> pa.Array:
-    """The keys from ``low`` to ``high`` of a table sorted by key (row groups outside the
-    range are skipped by their statistics), of one ``source`` when given."""
-    fs, path = fsspec.core.url_to_fs(url, **storage_options)
-    bounds = [("key", ">=", low), ("key", "<=", high)]
-    if source is not None:
-        bounds.append(("source", "==", source))
-    with fs.open(path, "rb") as handle:
-        return pq.read_table(handle, columns=["key"], filters=bounds)["key"].combine_chunks()
-
-
 def decided_keys(work: Work, low: str, high: str) -> pa.Array:
     """Keys from ``low`` to ``high`` the finished run of an append decided: its duplicates
     and its own survivors (its index rows of this build)."""
     assert work.earlier is not None and work.own_source is not None
     duplicates, index = work.earlier
     fs, folder = fsspec.core.url_to_fs(index, **work.storage_options)
-    found = [_range_keys(duplicates, work.storage_options, low, high)]
-    for part in sorted(fs.glob(posixpath.join(folder, "*.parquet"))):
-        found.append(_range_keys(fs.unstrip_protocol(part), work.storage_options, low, high,
-                                 work.own_source))
-    return pa.concat_arrays([k.cast(pa.string()) for k in found])
+    urls = [duplicates, *(fs.unstrip_protocol(part)
+                          for part in sorted(fs.glob(posixpath.join(folder, "*.parquet"))))]
+    return pa.concat_arrays([
+        read_key_range(url, work.storage_options, ["key"], low, high,
+                       None if url == duplicates else work.own_source)["key"]
+        .combine_chunks().cast(pa.string()) for url in urls])
 
 
 def retry_runs(url: str, storage_options: dict[str, Any]) -> int:

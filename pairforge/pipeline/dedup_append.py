@@ -69,7 +69,7 @@ def plan_append(finished: dict[str, Any] | None, raw: list[tuple[str, int]],
     """The append this run can make to a finished run, or None for a full run."""
     if not finished or not finished.get("enabled") or not finished.get("index_written"):
         return None
-    if (finished.get("covered") or {}).get("settings_digest") != settings_digest:
+    if finished.get("settings_digest") != settings_digest:
         return None
     earlier = read_covered(fs, root)
     if earlier is None or not fs.exists(posixpath.join(root, INDEX_FILE)):
@@ -122,6 +122,5 @@ def added_to(previous: dict[str, Any], stats: dict[str, Any], replaced: Counter[
     status_counts = {k: v for k, v in sorted(status.items()) if v}
     return {**stats, **{k: previous[k] + stats[k] for k in ADDED},
             "status_counts": status_counts, "rows_in": sum(status_counts.values()),
-            "raw_files": stats["covered"]["raw_files"],
             **{k: previous[k] for k in ("index_files", "index_rows",
                                         "index_rows_without_pixel_hash")}}

@@ -188,12 +188,9 @@ class Inputs:
         return _digest({"config": self.config, "raw": self.raw, "index": self.index})
 
     def settings_digest(self) -> str:
+        """The config and index files alone: recorded in the stats (covered.parquet has
+        each raw shard) so that a later run can tell an append from any other change."""
         return _digest({"config": self.config, "index": self.index})
-
-    def coverage(self) -> dict[str, Any]:
-        """Recorded in the stats (OUT/dedup/covered.parquet has each raw shard), so that a
-        later run can tell an append from any other change."""
-        return {"raw_files": len(self.raw), "settings_digest": self.settings_digest()}
 
 
 def inputs_digest(files: list[str], indexes: list[str], cfg: DedupConfig,
@@ -410,7 +407,7 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
     stats = {
         "stage": "dedup",
         "enabled": True,
-        "raw_files": len(files),
+        "raw_files": len(inputs.files),
         "index_files": len(indexes),
         "rows_in": sum(status.values()),
         "status_counts": dict(sorted(status.items())),
@@ -418,7 +415,7 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
         "index_rows_without_pixel_hash": unhashed,
         "index_written": cfg.write_index,
         "inputs_digest": digest,
-        "covered": inputs.coverage(),
+        "settings_digest": inputs.settings_digest(),
         "last_run": {"mode": "append" if append else "full", "raw_files_read": len(files),
                      "rewritten_raw_files": len(append.rewritten) if append else 0,
                      "index_rows_read": found["index_rows"]},

@@ -18,6 +18,7 @@ from pairforge.pipeline.settings import process_expected
 from pairforge.records import Status, index_digits, make_key
 from pairforge.shards.raw import completed_shards, stats_name
 from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir
+from pairforge.tables import read_key_range
 
 Duplicates = dict[str, tuple[str, str]]  # key -> (status, kept key)
 DECISION_FILES = ("duplicates.parquet", "semantic.parquet")  # hash dedup, then semantic
@@ -48,16 +49,14 @@ class Decisions:
         return found
 
     def of_shard(self, shard_id: int) -> Duplicates:
-        """One shard's decisions: its key range of each table (row groups outside it are
-        skipped by their statistics), later tables' decisions over earlier ones'."""
+        """One shard's decisions: its key range of each table, later tables' decisions over
+        earlier ones'."""
         low = make_key(shard_id, 0, self.digits)
         high = make_key(shard_id, 10 ** self.digits - 1, self.digits)
         found: Duplicates = {}
         for url in self.urls:
-            fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
-            with fs.open(path, "rb") as handle:
-                table = pq.read_table(handle, columns=["key", "kind", "kept_key"],
-                                      filters=[("key", ">=", low), ("key", "<=", high)])
+            table = read_key_range(url, self.storage_options, ["key", "kind", "kept_key"],
+                                   low, high)
             # a longer shard id can sort inside the range: keep this shard's keys only
             table = table.filter(pc.equal(self._shards(table["key"]), shard_id))
             found.update(zip(table["key"].to_pylist(), zip(
