@@ -377,6 +377,7 @@ def serve_command(
     from pairforge.serve.run import serve_until_interrupted, start_service
 
     cfg = _load(config, set_)
+    _preflight(cfg, "serve")
     url = _run_guarded(start_service, cfg, host, port)
     console.print(f"serving captions of {escape(cfg.process.recaption.model)} on {url} "
                   "(POST /v1/captions, GET /readyz, /metrics, /docs); Ctrl-C stops",

@@ -599,15 +599,25 @@ class ServeConfig(Strict):
 
     host: str = Field("127.0.0.1", description="address the HTTP proxy listens on")
     port: int = Field(8000, ge=0, le=65535)
-    replicas: int = Field(1, gt=0, description="replicas when autoscaling is off")
+    replicas: int = Field(1, gt=0, description="model replicas when autoscaling is off "
+                          "(each reserves process.recaption's num_cpus/num_gpus/resources)")
     min_replicas: int | None = Field(None, ge=0, description="with max_replicas: autoscale "
-                                     "between these (Serve's autoscaling_config)")
+                                     "the model replicas between these (Serve's "
+                                     "autoscaling_config)")
     max_replicas: int | None = Field(None, gt=0)
-    target_ongoing_requests: float = Field(8.0, gt=0, description="autoscaling target per "
-                                           "replica")
-    max_ongoing_requests: int = Field(64, gt=0, description="requests a replica holds at "
-                                      "once (queued for a batch included)")
-    max_batch_size: int = Field(8, gt=0, description="images per model call (@serve.batch)")
+    target_ongoing_requests: float = Field(2.0, gt=0, description="autoscaling target per "
+                                           "model replica: batches waiting or running")
+    ingress_replicas: int = Field(1, gt=0, description="HTTP ingress replicas (request "
+                                  "checks, URL fetches, image decoding, batching)")
+    ingress_num_cpus: float = Field(0.5, gt=0, description="CPUs each ingress replica "
+                                    "reserves")
+    max_ongoing_requests: int = Field(
+        256, gt=0, description="requests an ingress replica holds at once (queued for the "
+        "model included; each holds its body while it is read), and batches a model replica "
+        "holds. Past it Serve's proxy holds requests and retries them, which under overload "
+        "costs more than queueing them here (bench/RESULTS.md)")
+    max_batch_size: int = Field(8, gt=0, description="images per batch (@serve.batch) and "
+                                "per model call (batches waiting for the model merge)")
     batch_wait_timeout_s: float = Field(0.01, ge=0, description="how long a batch waits to "
                                         "fill once its first request is in")
     max_body_bytes: int = Field(20 * 1024**2, gt=0, description="request body cap: 413 past "

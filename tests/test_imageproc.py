@@ -15,7 +15,12 @@ from PIL import Image, JpegImagePlugin
 
 from pairforge.config import ImageConfig
 from pairforge.download import jpegdecode
-from pairforge.download.imageproc import ImageFailure, ProcessedImage, process_image
+from pairforge.download.imageproc import (
+    ImageFailure,
+    ProcessedImage,
+    caption_pixels,
+    process_image,
+)
 from pairforge.download.resample import downscale
 from pairforge.filters.hashing import PIXEL_HASH, phash_u64
 from pairforge.records import Status
@@ -169,6 +174,24 @@ def test_encode_formats(fmt):
     image = decoded(result)
     assert image.format == {"jpg": "JPEG", "webp": "WEBP", "png": "PNG"}[fmt]
     assert image.size == (85, 64) and image.mode == "RGB"
+
+
+@pytest.mark.parametrize("fmt", ["jpg", "png"])
+def test_caption_pixels_are_the_shards_pixels_without_the_dedup_hashes(fmt):
+    """pairforge serve's image pass: the pixels a raw shard holds (re-encoded when the
+    format is lossy, skipped when lossless), the same pixel hash and phash, the same
+    refusals."""
+    cfg = ImageConfig(image_size=64, encode_format=fmt, encode_quality=80)
+    for body in [encode(smooth(128, 96)), *(p.read_bytes() for p in sorted(
+            COCO.glob("*.jpg"))[:3]), oriented_jpeg(smooth(90, 60), 6)]:
+        full = ok(process_image(body, cfg))
+        pixels = caption_pixels(body, cfg, with_phash=True)
+        assert np.array_equal(np.asarray(pixels.image), np.asarray(decoded(full)))
+        assert (pixels.pixel_hash, pixels.phash) == (full.pixel_hash, full.phash)
+        assert caption_pixels(body, cfg, with_phash=False).phash is None
+    refused = caption_pixels(b"not an image", cfg, with_phash=False)
+    assert refused == process_image(b"not an image", cfg)
+    assert isinstance(refused, ImageFailure) and refused.status == Status.NOT_AN_IMAGE
 
 
 # --- orientation, colour modes -------------------------------------------------------------

@@ -53,7 +53,9 @@ def _config(**serve) -> dict:
             "process": {"recaption": {"enabled": True, "model": str(SAMPLE / "captioner"),
                                       "max_new_tokens": 24, "grounding": {"enabled": False},
                                       "cache": {"enabled": False}}},
-            "serve": {"max_body_bytes": 100_000, "max_image_pixels": 1_000_000,
+            # ingress replicas reserve little: three apps share the 2 CPUs of ray_local
+            "serve": {"ingress_num_cpus": 0.1, "max_body_bytes": 100_000,
+                      "max_image_pixels": 1_000_000,
                       "url_timeout_s": 1.0, "max_batch_size": 8,
                       "batch_wait_timeout_s": 0.05, **serve}}
 
@@ -340,6 +342,10 @@ def test_serve_verb_names_config_problems_before_ray_starts(tmp_path, monkeypatc
     assert off.exit_code == 2 and "process.recaption.enabled" in off.output
     pair = runner.invoke(app, ["serve", str(config), "--set", "serve.min_replicas=1"])
     assert pair.exit_code == 2 and "max_replicas" in pair.output
+    missing = runner.invoke(app, ["serve", str(config), "--set", "serve.token_env=null",
+                                  "--set", f"process.recaption.model={tmp_path / 'none'}"])
+    assert missing.exit_code == 2 and "process.recaption.model" in missing.output
+    assert "serve cannot start" in missing.output and "Traceback" not in missing.output
 
 
 def test_replica_captioner_tiers_and_batch_duplicates() -> None:
@@ -375,17 +381,68 @@ def _png(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
-def test_deployment_options_fixed_or_autoscaling() -> None:
-    from pairforge.serve.app import deployment_options
+def test_batches_waiting_for_the_model_merge_into_its_next_call() -> None:
+    """The model deployment's caller: batches that arrive during a call go together in the
+    next one (up to max_size; a larger one alone), a caller that gave up is skipped, every
+    call's size is reported once, and a failure reaches every merged caller."""
+    import asyncio
 
-    fixed = deployment_options(parse_config(_config(replicas=3)))
+    from pairforge.serve.model import MergingCaller
+
+    started, release = threading.Event(), threading.Event()
+    calls: list[list] = []
+
+    def fn(items: list) -> list:
+        calls.append(list(items))
+        if len(calls) == 1:
+            started.set()
+            release.wait(10)
+        if "down" in items:
+            raise ConnectionError("the backend is down")
+        return [item * 10 for item in items]
+
+    async def run(later: list[list]) -> list:
+        call = MergingCaller(fn, max_size=4)
+        first = asyncio.create_task(call([1]))
+        await asyncio.to_thread(started.wait, 10)
+        waiting = [asyncio.create_task(call(batch)) for batch in later]
+        gone = asyncio.create_task(call([99]))
+        await asyncio.sleep(0.05)
+        gone.cancel()  # its client went away before the model was free
+        release.set()
+        return await asyncio.gather(first, *waiting)
+
+    replies = asyncio.run(run([[2, 3], [4], [5], [6, 7, 8, 9, 10]]))
+    assert calls == [[1], [2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    assert [r[0] for r in replies] == [[10], [20, 30], [40], [50], [60, 70, 80, 90, 100]]
+    assert [r[1] for r in replies] == [[1], [4], [], [], [5]]
+    assert {r[2] for r in replies} == {None}
+
+    calls.clear()
+    started.clear()
+    release.clear()
+    failed = asyncio.run(run([["down"], [7]]))
+    assert calls == [[1], ["down", 7]]
+    assert [r[0] for r in failed] == [[10], None, None]
+    assert "ConnectionError: the backend is down" in failed[1][2] and failed[1][2] == failed[2][2]
+
+
+def test_deployment_options_fixed_or_autoscaling() -> None:
+    from pairforge.serve.app import ingress_options, model_options
+
+    fixed = model_options(parse_config(_config(replicas=3)))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0}
-    scaled = deployment_options(parse_config(_config(min_replicas=1, max_replicas=4)))
+    assert fixed["max_ongoing_requests"] == 256
+    scaled = model_options(parse_config(_config(min_replicas=1, max_replicas=4)))
     assert "num_replicas" not in scaled
     assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4,
-                                            "target_ongoing_requests": 8.0}
-    assert scaled["max_ongoing_requests"] == 64
-    assert scaled["logging_config"] == {"enable_access_log": True}
-    quiet = deployment_options(parse_config(_config(access_log=False)))
-    assert quiet["logging_config"] == {"enable_access_log": False}
+                                            "target_ongoing_requests": 2.0}
+    assert fixed["logging_config"] == {"enable_access_log": True}
+    ingress = ingress_options(parse_config(_config(ingress_replicas=2, ingress_num_cpus=1.0)))
+    assert ingress == {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1.0},
+                       "max_ongoing_requests": 256,
+                       "logging_config": {"enable_access_log": True}}
+    quiet = parse_config(_config(access_log=False))
+    assert model_options(quiet)["logging_config"] == {"enable_access_log": False}
+    assert ingress_options(quiet)["logging_config"] == {"enable_access_log": False}

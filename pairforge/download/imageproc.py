@@ -59,6 +59,7 @@ from pairforge.download.resample import downscale as _downscale
 from pairforge.filters.hashing import (
     colour_grid,
     perceptual_hashes,
+    phash_u64,
     pixel_hash_hex,
     sha256_hex,
 )
@@ -145,17 +146,50 @@ def process_image(body: bytes, cfg: ImageConfig, *, draft: bool = True, turbo: b
     ``draft=False`` disables reduced-scale JPEG decoding, ``turbo=False`` decoding JPEGs
     with simplejpeg (Pillow decodes them all); both for benchmarks and comparisons.
     """
+    return _guarded(_process, body, cfg, draft, turbo)
+
+
+@dataclass(frozen=True, slots=True)
+class CaptionPixels:
+    """What a captioner reads of an image, and the keys a caption cache finds it by."""
+
+    image: Image.Image  # RGB, the pixels of the raw shard's re-encoded image
+    pixel_hash: str
+    phash: int | None  # only when asked for
+
+
+def caption_pixels(body: bytes, cfg: ImageConfig, *, with_phash: bool
+                   ) -> CaptionPixels | ImageFailure:
+    """``process_image``'s checks and pixels without the hashes only dedup reads (the
+    mirror's and the regions' phashes, the colour grid): ``pairforge serve``'s image pass.
+    A lossless ``encode_format`` skips the encode and decode, whose pixels are the same."""
+    return _guarded(_caption_pixels, body, cfg, with_phash)
+
+
+def _guarded(fn, *args):  # noqa: ANN001, ANN202
+    """``fn(*args)``, with every failure an ``ImageFailure``: one bad image must never
+    stop a shard."""
     try:
-        return _process(body, cfg, draft, turbo)
+        return fn(*args)
     except _Reject as rejected:
         return rejected.failure
     except MemoryError:
         return ImageFailure(Status.TOO_LARGE, "out of memory decoding the image")
-    except Exception as err:  # one bad image must never stop a shard
+    except Exception as err:
         return ImageFailure(Status.DECODE_ERROR, f"{type(err).__name__}: {err}")
 
 
-def _process(body: bytes, cfg: ImageConfig, draft: bool, turbo: bool) -> ProcessedImage:
+@dataclass(frozen=True, slots=True)
+class _Decoded:
+    rgb: Image.Image  # at the decode scale, upright
+    pixels: bytes | memoryview  # its RGB bytes
+    plan: _Plan
+    width: int  # as displayed, never the drafted size
+    height: int
+    exif: str | None
+
+
+def _decode_checked(body: bytes, cfg: ImageConfig, draft: bool, turbo: bool) -> _Decoded:
     image = _open(body)  # no context manager: closing would discard the decoded pixels
     stored_w, stored_h = image.size
     _check_size(stored_w, stored_h, cfg)
@@ -169,14 +203,29 @@ def _process(body: bytes, cfg: ImageConfig, draft: bool, turbo: bool) -> Process
     if swap:
         plan = plan.swapped()
         stored_w, stored_h = stored_h, stored_w
-    pixel_hash = pixel_hash_hex(rgb, pixels)
-    hashes = perceptual_hashes(rgb)
-    out = _apply_plan(rgb, pixels, plan, cfg.image_size)
+    return _Decoded(rgb, pixels, plan, stored_w, stored_h, exif)
+
+
+def _process(body: bytes, cfg: ImageConfig, draft: bool, turbo: bool) -> ProcessedImage:
+    d = _decode_checked(body, cfg, draft, turbo)
+    pixel_hash = pixel_hash_hex(d.rgb, d.pixels)
+    hashes = perceptual_hashes(d.rgb)
+    out = _apply_plan(d.rgb, d.pixels, d.plan, cfg.image_size)
     return ProcessedImage(
         data=_encode(out, cfg), format=cfg.encode_format, width=out.width, height=out.height,
-        original_width=stored_w, original_height=stored_h, sha256=sha256_hex(body),
+        original_width=d.width, original_height=d.height, sha256=sha256_hex(body),
         pixel_hash=pixel_hash, phash=hashes.phash, phash_mirror=hashes.phash_mirror,
-        crop_phashes=hashes.crop_phashes, colour_grid=colour_grid(rgb), exif=exif)
+        crop_phashes=hashes.crop_phashes, colour_grid=colour_grid(d.rgb), exif=d.exif)
+
+
+def _caption_pixels(body: bytes, cfg: ImageConfig, with_phash: bool) -> CaptionPixels:
+    d = _decode_checked(body, cfg, True, True)
+    pixel_hash = pixel_hash_hex(d.rgb, d.pixels)
+    phash = phash_u64(d.rgb) if with_phash else None
+    out = _apply_plan(d.rgb, d.pixels, d.plan, cfg.image_size)
+    if cfg.encode_format != "png":  # lossy: the captioner sees what the shard holds
+        out = Image.open(io.BytesIO(_encode(out, cfg))).convert("RGB")
+    return CaptionPixels(out, pixel_hash, phash)
 
 
 def _open(body: bytes) -> Image.Image:

@@ -37,7 +37,7 @@ from pairforge.stage import (
     SourceCheck,
 )
 
-Stage = Literal["download", "dedup", "process", "build"]
+Stage = Literal["download", "dedup", "process", "build", "serve"]
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 SERVER_TIMEOUT_S = 5.0  # GET /models: a live server answers at once
@@ -46,10 +46,13 @@ SERVER_TIMEOUT_S = 5.0  # GET /models: a live server answers at once
 def preflight(cfg: PairforgeConfig, stage: Stage) -> None:
     """Raise one ``ConfigError`` listing every problem that would stop ``stage`` later."""
     problems = []
-    if stage in ("download", "build"):
-        problems += input_problems(cfg)
-    # an output folder that cannot be written is not asked for earlier stages' files
-    problems += output_problems(cfg) or earlier_stage_problems(cfg, stage)
+    if stage == "serve":  # the service writes no files and reads no stage's
+        problems += serve_model_problems(cfg)
+    else:
+        if stage in ("download", "build"):
+            problems += input_problems(cfg)
+        # an output folder that cannot be written is not asked for earlier stages' files
+        problems += output_problems(cfg) or earlier_stage_problems(cfg, stage)
     problems += ray_problems(cfg)
     if stage in ("dedup", "build") and cfg.dedup.enabled:
         problems += dedup_index_problems(cfg)
@@ -66,6 +69,16 @@ def recaption_problems(cfg: PairforgeConfig) -> list[str]:
 
     return [problem for source in RecaptionStep.requirements(cfg).sources
             for problem in source_problems(source)]
+
+
+def serve_model_problems(cfg: PairforgeConfig) -> list[str]:
+    """What ``pairforge serve``'s model replicas load: the recaption step's local models
+    and word lists. Not its captioning server, which may come up after the service (until
+    then requests are answered 503 with Retry-After)."""
+    from pairforge.recaption.step import RecaptionStep
+
+    return [problem for source in RecaptionStep.requirements(cfg).sources
+            if not isinstance(source, ServedModel) for problem in source_problems(source)]
 
 
 def check_model_sources(cfg: PairforgeConfig) -> None:

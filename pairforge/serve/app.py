@@ -1,16 +1,19 @@
 """``pairforge serve``: the on-demand captioning service, a Ray Serve application.
 
-One deployment, ``Captioner``, is both the HTTP ingress (FastAPI, which also serves the
-OpenAPI page at ``/docs`` and ``/openapi.json``) and the model: a request is checked and
-decoded on the replica's threads, then waits in Serve's ``@serve.batch`` queue, which
-hands the model whatever arrived within ``batch_wait_timeout_s``, up to
-``max_batch_size`` (opportunistic batching: a lone request is never held longer). The
-model runs on one thread of its own, so the event loop keeps accepting, parsing and
-answering health checks while a batch generates.
+Two deployments. ``CaptionIngress`` is the HTTP side (FastAPI, which also serves the
+OpenAPI page at ``/docs`` and ``/openapi.json``): it checks a request (token, body cap,
+deadline), turns it into a decoded ``Upload`` (serve/inputs.py: the forms, the guarded
+URL fetch, stage 1's image pass) on its threads, and groups uploads in Serve's
+``@serve.batch`` queue, which hands over whatever arrived within ``batch_wait_timeout_s``,
+up to ``max_batch_size`` (opportunistic batching: a lone request is never held longer).
+Each batch goes in one handle call to ``CaptionModel`` (serve/model.py), which answers
+from its cache or its captioner. The split keeps the request path (HTTP, PNG/JPEG
+decoding, hashing) out of the model's process, whose interpreter a small captioner's
+``generate`` keeps busy, and lets each side scale on its own resources.
 
 Routes: ``POST /v1/captions`` (serve/inputs.py says what it takes), ``GET /healthz`` (the
-replica is up), ``GET /readyz`` (200 once its models are loaded, which happens in the
-background after start), ``GET /metrics`` (serve/metrics.py).
+ingress is up), ``GET /readyz`` (200 once a model replica is built, i.e. its models are
+loaded), ``GET /metrics`` (serve/metrics.py).
 """
 
 # no ``from __future__ import annotations``: FastAPI reads the routes' annotations (Request)
@@ -21,7 +24,6 @@ import hashlib
 import hmac
 import logging
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,10 +32,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from pairforge import __version__
 from pairforge.config import ConfigError, PairforgeConfig
-from pairforge.serve.captioning import Answer, ReplicaCaptioner
+from pairforge.serve.captioning import Answer
 from pairforge.serve.inputs import (
     FORMS,
     RequestError,
@@ -44,9 +47,12 @@ from pairforge.serve.inputs import (
     url_fetcher,
 )
 from pairforge.serve.metrics import ServeMetrics
+from pairforge.serve.model import CaptionModel, ModelReply
 
 APP_NAME = "pairforge"
+INGRESS_DEPLOYMENT = "CaptionIngress"
 RETRY_AFTER_S = 5  # what a 503 asks a client to wait
+READY_PROBE_S = 2.0  # how long /readyz waits for a model replica to answer
 log = logging.getLogger("pairforge.serve")
 
 
@@ -88,51 +94,56 @@ def _problem(err: RequestError) -> JSONResponse:
                         headers=err.headers)
 
 
-@serve.deployment(name="Captioner")
+@serve.deployment(name=INGRESS_DEPLOYMENT)
 @serve.ingress(api)
-class CaptionService:
-    def __init__(self, cfg: PairforgeConfig, token_sha256: str | None) -> None:
-        self.cfg, self.token_sha256 = cfg, token_sha256
+class CaptionIngress:
+    def __init__(self, model: DeploymentHandle, cfg: PairforgeConfig,
+                 token_sha256: str | None) -> None:
+        self.model, self.cfg, self.token_sha256 = model, cfg, token_sha256
         self.model_name = cfg.process.recaption.model
         self.metrics = ServeMetrics()
-        self.captioner = ReplicaCaptioner(cfg)
         self.fetcher = url_fetcher(cfg)
         self.io = ThreadPoolExecutor(4, thread_name_prefix="pairforge-io")  # fetch, decode
-        self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="pairforge-model")
-        self.batch.set_max_batch_size(cfg.serve.max_batch_size)
-        self.batch.set_batch_wait_timeout_s(cfg.serve.batch_wait_timeout_s)
-        self.ready = threading.Event()
-        self.load_error: str | None = None
-        threading.Thread(target=self._load, daemon=True).start()
+        self.model_ready = False  # once true, stays: a model replica answers only once
+                                  # its models are loaded
+        s = cfg.serve
+        self.batch = serve.batch(max_batch_size=s.max_batch_size,
+                                 batch_wait_timeout_s=s.batch_wait_timeout_s,
+                                 # closed batches go on: the model merges those that
+                                 # wait for it (serve/model.py)
+                                 max_concurrent_batches=max(
+                                     1, s.max_ongoing_requests // s.max_batch_size),
+                                 )(self._caption)
 
-    def _load(self) -> None:
+    async def _probe_model(self) -> str | None:
+        """None once a model replica answers; else why not (loading, or failed to load)."""
+        if self.model_ready:
+            return None
+        response = self.model.ready.remote()
         try:
-            self.captioner.load()
-            self.ready.set()
-        except Exception as err:  # reported by /readyz and Serve's health check
-            self.load_error = f"{type(err).__name__}: {err}"
-            log.exception("loading the captioner failed")
-
-    def check_health(self) -> None:
-        """Serve's health check: a replica whose models failed to load is replaced."""
-        if self.load_error:
-            raise RuntimeError(self.load_error)
+            await asyncio.wait_for(asyncio.shield(response), READY_PROBE_S)
+            self.model_ready = True
+            return None
+        except TimeoutError:
+            response.cancel()
+        app_name = serve.get_replica_context().replica_id.deployment_id.app_name
+        failed = await asyncio.to_thread(failed_deployments, app_name)
+        return failed or "the captioner is still loading"
 
     @api.get("/healthz")
     def healthz(self) -> dict[str, str]:
         return {"status": "ok"}
 
     @api.get("/readyz", responses={503: {"model": Problem}})
-    def readyz(self) -> Any:
-        if self.ready.is_set():
+    async def readyz(self) -> Any:
+        problem = await self._probe_model()
+        if problem is None:
             return {"status": "ready", "model": self.model_name}
-        detail = self.load_error or "the captioner is still loading"
-        return JSONResponse({"error": "not_ready", "detail": detail}, status_code=503,
+        return JSONResponse({"error": "not_ready", "detail": problem}, status_code=503,
                             headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @api.get("/metrics", response_class=PlainTextResponse)
     def metrics(self) -> Response:
-        self.metrics.cache_entries.set(len(self.captioner.cache))
         return Response(self.metrics.text(), media_type="text/plain; version=0.0.4")
 
     @api.post("/v1/captions", response_model=Caption, responses=_ERRORS,
@@ -171,9 +182,9 @@ class CaptionService:
 
     async def _answer(self, request: Request) -> Answer:
         self._authorize(request)
-        if not self.ready.is_set():
-            raise RequestError(503, "not_ready", self.load_error or "the captioner is still "
-                               "loading", {"Retry-After": str(RETRY_AFTER_S)})
+        problem = await self._probe_model()
+        if problem is not None:
+            raise RequestError(503, "not_ready", problem, {"Retry-After": str(RETRY_AFTER_S)})
         body = await self._read_body(request)
         loop = asyncio.get_running_loop()
         source = parse_body(request.headers.get("content-type"), body)
@@ -207,24 +218,46 @@ class CaptionService:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def batch(self, uploads: list[Upload]) -> list[Answer]:
-        """One model call for the uploads that arrived together (sizes set in __init__)."""
-        self.metrics.batch_size.observe(len(uploads))
-        loop = asyncio.get_running_loop()
+    async def _caption(self, uploads: list[Upload]) -> list[Answer]:
+        """The uploads that arrived together (``self.batch``), in one handle call."""
         try:
-            return await loop.run_in_executor(self.model_thread, self.captioner.caption,
-                                              uploads)
-        except Exception as err:  # the backend (a server, the device) failed: try later
-            log.exception("captioning a batch failed")
-            raise RequestError(503, "backend_unavailable",
-                               f"the captioning backend failed: {type(err).__name__}: {err}",
-                               {"Retry-After": str(RETRY_AFTER_S)}) from None
+            reply: ModelReply = await self.model.caption.remote(uploads)
+        except Exception as err:  # the model replica died or could not be reached
+            log.exception("a batch did not reach the model")
+            reply = ModelReply(None, 0, failure=f"the model deployment failed: "
+                               f"{type(err).__name__}: {err}")
+        for size in reply.calls:
+            self.metrics.batch_size.observe(size)
+        if reply.answers is None:
+            raise RequestError(503, "backend_unavailable", reply.failure or "",
+                               {"Retry-After": str(RETRY_AFTER_S)})
+        self.metrics.cache_entries.set(reply.cache_entries)
+        return reply.answers
 
 
-def deployment_options(cfg: PairforgeConfig) -> dict[str, Any]:
-    """Replicas (or autoscaling), concurrency and the resources each replica reserves: the
-    recaption section's, as the batch step's actors reserve them."""
+def failed_deployments(app_name: str) -> str:
+    """Serve's word on the application's deployments that failed to start or turned
+    unhealthy (a model that does not load ends its replicas' constructor with the loader's
+    error): what happened and the exception, without the traceback; "" if none did."""
+    try:
+        deployments = serve.status().applications[app_name].deployments
+    except (KeyError, RuntimeError):
+        return ""
+    statuses = {name: getattr(d.status, "value", d.status) for name, d in deployments.items()}
+    return "; ".join(f"{name} is {statuses[name]}: {_first_and_last_line(d.message)}"
+                     for name, d in deployments.items()
+                     if statuses[name] in ("DEPLOY_FAILED", "UNHEALTHY"))
+
+
+def _first_and_last_line(message: str) -> str:
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return " ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else ""
+
+
+def model_options(cfg: PairforgeConfig) -> dict[str, Any]:
+    """The model deployment's replicas (or autoscaling) and the resources each reserves:
+    the recaption section's, as the batch step's actors reserve them. Its requests are
+    batches."""
     s, rc = cfg.serve, cfg.process.recaption
     actor: dict[str, Any] = {"num_cpus": rc.num_cpus, "num_gpus": rc.num_gpus}
     if rc.resources:
@@ -239,6 +272,14 @@ def deployment_options(cfg: PairforgeConfig) -> dict[str, Any]:
     else:
         options["num_replicas"] = s.replicas
     return options
+
+
+def ingress_options(cfg: PairforgeConfig) -> dict[str, Any]:
+    s = cfg.serve
+    return {"num_replicas": s.ingress_replicas,
+            "ray_actor_options": {"num_cpus": s.ingress_num_cpus},
+            "max_ongoing_requests": s.max_ongoing_requests,
+            "logging_config": {"enable_access_log": s.access_log}}
 
 
 def bearer_token(cfg: PairforgeConfig) -> str | None:
@@ -257,4 +298,5 @@ def build_app(cfg: PairforgeConfig) -> serve.Application:
     if not cfg.process.recaption.enabled:
         raise ConfigError("pairforge serve captions with process.recaption: set "
                           "process.recaption.enabled: true")
-    return CaptionService.options(**deployment_options(cfg)).bind(cfg, bearer_token(cfg))
+    model = CaptionModel.options(**model_options(cfg)).bind(cfg)
+    return CaptionIngress.options(**ingress_options(cfg)).bind(model, cfg, bearer_token(cfg))

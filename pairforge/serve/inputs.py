@@ -5,9 +5,9 @@ the first file part of a ``multipart/form-data`` body, or as JSON ``{"image_base
 ``{"url"}``. A URL goes through stage 1's guarded fetcher (download/fetch.py: the address
 guard, the body cap, a deadline per request); the bytes, wherever they came from, go
 through stage 1's image pass (download/imageproc.py: format check, decompression-bomb
-cap, hashes, the download section's resize), so an upload reaches the captioner as the
-same pixels a build would caption for the same image. Every refusal is a ``RequestError``:
-an HTTP status, a short machine-readable kind and a sentence.
+cap, the cache's hashes, the download section's resize and encode), so an upload reaches
+the captioner as the same pixels a build would caption for the same image. Every refusal
+is a ``RequestError``: an HTTP status, a short machine-readable kind and a sentence.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from PIL import Image
 
 from pairforge.config import DownloadConfig, PairforgeConfig
 from pairforge.download.fetch import Fetcher
-from pairforge.download.imageproc import ImageFailure, process_image
-from pairforge.images import decode_rgb
+from pairforge.download.imageproc import ImageFailure, caption_pixels
 from pairforge.records import Status
 
 FORMS = "an image/* body, multipart/form-data with a file, or JSON {\"url\"} / {\"image_base64\"}"
@@ -47,7 +46,7 @@ class Upload:
 
     image: Image.Image
     pixel_hash: str
-    phash: int
+    phash: int | None  # None: the cache's perceptual tier is off
 
 
 def media_type(content_type: str | None) -> str:
@@ -138,12 +137,13 @@ _IMAGE_KIND = {Status.TOO_LARGE: "image_too_large"}
 
 
 def decode_upload(data: bytes, cfg: PairforgeConfig) -> Upload:
-    """Stage 1's image pass over ``data`` with the service's pixel cap, then the pixels the
-    recaption step would read from a raw shard."""
+    """Stage 1's image pass over ``data`` with the service's pixel cap: the pixels the
+    recaption step would read from a raw shard, the pixel hash, and the perceptual hash
+    when the cache's perceptual tier is on (``imageproc.caption_pixels``)."""
     image_cfg = cfg.download.image.model_copy(update={"max_pixels": cfg.serve.max_image_pixels})
-    processed = process_image(data, image_cfg)
-    if isinstance(processed, ImageFailure):
-        status = processed.status
+    pixels = caption_pixels(data, image_cfg, with_phash=cfg.serve.cache.phash_distance > 0)
+    if isinstance(pixels, ImageFailure):
+        status = pixels.status
         raise RequestError(_IMAGE_HTTP.get(status, 422), _IMAGE_KIND.get(status, status.value),
-                           processed.error)
-    return Upload(decode_rgb(processed.data), processed.pixel_hash, processed.phash)
+                           pixels.error)
+    return Upload(pixels.image, pixels.pixel_hash, pixels.phash)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import signal
 import time
 
-from pairforge.config import PairforgeConfig
+from pairforge.config import ConfigError, PairforgeConfig
 from pairforge.pipeline.ray_runtime import init_ray
-from pairforge.serve.app import APP_NAME, build_app
+from pairforge.serve.app import APP_NAME, build_app, failed_deployments
 
 
 def start_service(cfg: PairforgeConfig, host: str | None = None, port: int | None = None,
                   name: str = APP_NAME, route_prefix: str = "/") -> str:
     """Deploy the service (``host``/``port`` override ``serve.host``/``serve.port``) and
-    return its base URL; the models load in the background (``GET /readyz``)."""
+    return its base URL once the model replicas are built (their models loaded)."""
     from ray import serve
 
     host = host or cfg.serve.host
@@ -21,7 +21,11 @@ def start_service(cfg: PairforgeConfig, host: str | None = None, port: int | Non
     app = build_app(cfg)  # config errors surface before Ray starts
     init_ray(cfg.ray)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+    try:
+        serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+    except RuntimeError as err:  # a deployment failed to start: say why, not just which
+        failed = failed_deployments(name)
+        raise ConfigError(f"pairforge serve could not start: {failed or err}") from None
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"
 
 
