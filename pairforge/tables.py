@@ -39,14 +39,14 @@ def detect_format(path: str) -> str:
     raise ConfigError(f"cannot tell the format of input {path!r}: set input.format")
 
 
-def read_key_range(url: str, storage_options: dict, columns: list[str], low: str, high: str,
-                   source: str | None = None) -> pa.Table:
-    """The rows with ``low <= key <= high`` of a parquet table sorted by key (row groups
-    outside the range are skipped by their statistics), of one ``source`` when given."""
+def read_key_range(url: str, storage_options: dict, columns: list[str],
+                   ranges: list[tuple[str, str]], source: str | None = None) -> pa.Table:
+    """The rows with ``low <= key <= high`` for any (low, high) of ``ranges`` of a parquet
+    table sorted by key (row groups outside them are skipped by their statistics), of one
+    ``source`` when given: one read of the file for all the ranges."""
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
-    bounds = [("key", ">=", low), ("key", "<=", high)]
-    if source is not None:
-        bounds.append(("source", "==", source))
+    of_source = [("source", "==", source)] if source is not None else []
+    bounds = [[("key", ">=", low), ("key", "<=", high), *of_source] for low, high in ranges]
     with fs.open(path, "rb") as handle:
         return pq.read_table(handle, columns=columns, filters=bounds)
 

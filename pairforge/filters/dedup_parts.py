@@ -262,16 +262,17 @@ def _key_sample(keys: pa.ChunkedArray) -> list[str]:
     return keys.take(ordered.take(pa.array(picks))).to_pylist()
 
 
-def decided_keys(work: Work, low: str, high: str) -> pa.Array:
-    """Keys from ``low`` to ``high`` the finished run of an append decided: its duplicates
-    and its own survivors (its index rows of this build)."""
+def decided_keys(work: Work, ranges: list[tuple[str, str]]) -> pa.Array:
+    """Keys in any (low, high) of ``ranges`` the finished run of an append decided: its
+    duplicates and its own survivors (its index rows of this build); one read of each file
+    for all the ranges."""
     assert work.earlier is not None and work.own_source is not None
     duplicates, index = work.earlier
     fs, folder = fsspec.core.url_to_fs(index, **work.storage_options)
     urls = [duplicates, *(fs.unstrip_protocol(part)
                           for part in sorted(fs.glob(posixpath.join(folder, "*.parquet"))))]
     return pa.concat_arrays([
-        read_key_range(url, work.storage_options, ["key"], low, high,
+        read_key_range(url, work.storage_options, ["key"], ranges,
                        None if url == duplicates else work.own_source)["key"]
         .combine_chunks().cast(pa.string()) for url in urls])
 
@@ -286,14 +287,16 @@ def retry_runs(url: str, storage_options: dict[str, Any]) -> int:
         return int((json.load(handle).get("retried") or {}).get("runs", 0))
 
 
-def _undecided(work: Work, rows: pa.Table) -> pa.Table:
-    """A rewritten raw shard's ok rows less those the finished run decided: the rows
-    --retry-failed made ok since."""
-    if not len(rows):
-        return rows
-    keys = rows["key"]
-    known = decided_keys(work, pc.min(keys).as_py(), pc.max(keys).as_py())
-    return rows.filter(pc.invert(pc.is_in(keys, value_set=known)))
+def _drop_decided(work: Work, tables: list[pa.Table], rewritten: list[int]) -> None:
+    """Of each ``tables[i]`` (``rewritten``: a raw shard rewritten by --retry-failed), keep
+    the rows the finished run decided nothing for: the rows the retry made ok since. The
+    unit's shards are looked up together, so each index part is read once per task, not
+    once per shard."""
+    ranges = [(pc.min(tables[i]["key"]).as_py(), pc.max(tables[i]["key"]).as_py())
+              for i in rewritten]
+    known = decided_keys(work, ranges)
+    for i in rewritten:
+        tables[i] = tables[i].filter(pc.invert(pc.is_in(tables[i]["key"], value_set=known)))
 
 
 def scatter(work: Work, unit: int, files: list[InputFile]) -> dict[str, Any]:
@@ -302,16 +305,19 @@ def scatter(work: Work, unit: int, files: list[InputFile]) -> dict[str, Any]:
     fs, parts = work.fs(), work.parts
     tables, status, unhashed = [ROW_SCHEMA.empty_table()], Counter(), 0
     described: dict[int, dict[str, Any]] = {}
+    rewritten: list[int] = []  # tables' rows of raw shards --retry-failed rewrote
     for file in files:
         rows, counts, missing = _input_rows(file, work.storage_options, work.own_source)
-        if file.rewritten:
-            rows = _undecided(work, rows)
+        if file.rewritten and len(rows):
+            rewritten.append(len(tables))
         if not file.index:
             described[file.number] = {"status": counts,
                                       "retry_runs": retry_runs(file.url, work.storage_options)}
         tables.append(rows.cast(ROW_SCHEMA))
         status.update(counts)
         unhashed += missing
+    if rewritten:
+        _drop_decided(work, tables, rewritten)
     table = pa.concat_tables(tables).combine_chunks()
     pos = table["pos"].to_numpy()
     new = ~table["from_index"].to_numpy(zero_copy_only=False)

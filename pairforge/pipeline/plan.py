@@ -56,7 +56,7 @@ class Decisions:
         found: Duplicates = {}
         for url in self.urls:
             table = read_key_range(url, self.storage_options, ["key", "kind", "kept_key"],
-                                   low, high)
+                                   [(low, high)])
             # a longer shard id can sort inside the range: keep this shard's keys only
             table = table.filter(pc.equal(self._shards(table["key"]), shard_id))
             found.update(zip(table["key"].to_pylist(), zip(

@@ -104,8 +104,8 @@ class CaptionIngress:
         self.metrics = ServeMetrics()
         self.fetcher = url_fetcher(cfg)
         self.io = ThreadPoolExecutor(4, thread_name_prefix="pairforge-io")  # fetch, decode
-        self.model_ready = False  # once true, stays: a model replica answers only once
-                                  # its models are loaded
+        # once true, stays: a model replica answers only once its models are loaded
+        self.model_ready = False
         s = cfg.serve
         self.batch = serve.batch(max_batch_size=s.max_batch_size,
                                  batch_wait_timeout_s=s.batch_wait_timeout_s,

@@ -1,7 +1,8 @@
-"""A replica's Prometheus metrics (``GET /metrics``), in its own registry.
+"""An ingress replica's Prometheus metrics (``GET /metrics``), in its own registry.
 
-Each replica answers with its own counts: behind several replicas, scrape each (or read
-Ray Serve's own metrics, which the cluster's exporter aggregates).
+Each ingress replica answers with its own counts: behind several, scrape each (or read
+Ray Serve's own metrics, which the cluster's exporter aggregates). Model calls are counted
+from the model replicas' replies (``ModelReply.calls``: each call once, to one caller).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class ServeMetrics:
                                 "HTTP status", ["code"], registry=r)
         self.latency = Histogram("pairforge_serve_request_seconds", "caption request latency "
                                  "(receipt to answer)", buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("pairforge_serve_batch_size", "uploads per model batch",
+        self.batch_size = Histogram("pairforge_serve_batch_size", "uploads per model call",
                                     buckets=BATCH_BUCKETS, registry=r)
         self.cache = Counter("pairforge_serve_cache", "caption answers by cache tier "
                              "(exact, perceptual, embedding, miss)", ["tier"], registry=r)
@@ -36,7 +37,8 @@ class ServeMetrics:
                               "by kind", ["kind"], registry=r)
         self.in_flight = Gauge("pairforge_serve_in_flight", "caption requests being handled",
                                registry=r)
-        self.cache_entries = Gauge("pairforge_serve_cache_entries", "captions in the cache",
+        self.cache_entries = Gauge("pairforge_serve_cache_entries", "captions in the cache "
+                                   "of the model replica that answered last",
                                    registry=r)
 
     def text(self) -> bytes:
