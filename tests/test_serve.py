@@ -269,6 +269,30 @@ def test_a_backend_that_is_down_is_503_with_retry_after(service) -> None:
     assert requests.get(down + "/healthz", timeout=10).status_code == 200
 
 
+def test_no_model_replica_yet_is_503_not_ready_with_retry_after(service) -> None:
+    """Autoscaling from zero: the ingress is up before any model replica; /readyz and a
+    caption request say so at once (the probe waits 2 s), and the service keeps serving."""
+    from ray import serve
+
+    from pairforge.serve.run import start_service
+
+    port = int(service.rsplit(":", 1)[1])
+    cold = start_service(parse_config(_config(min_replicas=0, max_replicas=1)), "127.0.0.1",
+                         port, name="cold", route_prefix="/cold")
+    try:
+        ready = requests.get(cold + "/readyz", timeout=30)
+        caption = requests.post(cold + "/v1/captions", data=SCENES[5].read_bytes(),
+                                headers={"Content-Type": "image/png"}, timeout=30)
+    finally:
+        serve.delete("cold")
+    for response in (ready, caption):
+        assert response.status_code == 503, response.text
+        assert response.json() == {"error": "not_ready",
+                                   "detail": "the captioner is still loading"}
+        assert int(response.headers["Retry-After"]) > 0
+    assert requests.get(service + "/readyz", timeout=10).status_code == 200
+
+
 # -- without Serve -----------------------------------------------------------------------------
 
 def test_parse_body_forms() -> None:

@@ -94,6 +94,28 @@ def _problem(err: RequestError) -> JSONResponse:
                         headers=err.headers)
 
 
+# Above the deployment class: the replica sees only the module globals its methods name
+# that exist when the class is decorated (one defined below it was a NameError there;
+# tests/test_serve.py::test_no_model_replica_yet_is_503_not_ready_with_retry_after).
+def failed_deployments(app_name: str) -> str:
+    """Serve's word on the application's deployments that failed to start or turned
+    unhealthy (a model that does not load ends its replicas' constructor with the loader's
+    error): what happened and the exception, without the traceback; "" if none did."""
+    try:
+        deployments = serve.status().applications[app_name].deployments
+    except (KeyError, RuntimeError):
+        return ""
+    statuses = {name: getattr(d.status, "value", d.status) for name, d in deployments.items()}
+    return "; ".join(f"{name} is {statuses[name]}: {_first_and_last_line(d.message)}"
+                     for name, d in deployments.items()
+                     if statuses[name] in ("DEPLOY_FAILED", "UNHEALTHY"))
+
+
+def _first_and_last_line(message: str) -> str:
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return " ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else ""
+
+
 @serve.deployment(name=INGRESS_DEPLOYMENT)
 @serve.ingress(api)
 class CaptionIngress:
@@ -233,25 +255,6 @@ class CaptionIngress:
                                {"Retry-After": str(RETRY_AFTER_S)})
         self.metrics.cache_entries.set(reply.cache_entries)
         return reply.answers
-
-
-def failed_deployments(app_name: str) -> str:
-    """Serve's word on the application's deployments that failed to start or turned
-    unhealthy (a model that does not load ends its replicas' constructor with the loader's
-    error): what happened and the exception, without the traceback; "" if none did."""
-    try:
-        deployments = serve.status().applications[app_name].deployments
-    except (KeyError, RuntimeError):
-        return ""
-    statuses = {name: getattr(d.status, "value", d.status) for name, d in deployments.items()}
-    return "; ".join(f"{name} is {statuses[name]}: {_first_and_last_line(d.message)}"
-                     for name, d in deployments.items()
-                     if statuses[name] in ("DEPLOY_FAILED", "UNHEALTHY"))
-
-
-def _first_and_last_line(message: str) -> str:
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    return " ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else ""
 
 
 def model_options(cfg: PairforgeConfig) -> dict[str, Any]:
