@@ -15,15 +15,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from dataclasses import dataclass
 from email.parser import BytesParser
 from email.policy import HTTP
 
-from PIL import Image
-
 from pairforge.config import DownloadConfig, PairforgeConfig
 from pairforge.download.fetch import Fetcher
-from pairforge.download.imageproc import ImageFailure, caption_pixels
+from pairforge.download.imageproc import CaptionPixels, ImageFailure, caption_pixels
 from pairforge.records import Status
 
 FORMS = "an image/* body, multipart/form-data with a file, or JSON {\"url\"} / {\"image_base64\"}"
@@ -40,13 +37,9 @@ class RequestError(Exception):
         self.headers = headers or {}
 
 
-@dataclass(frozen=True)
-class Upload:
-    """An image ready to caption, with the keys the cache looks it up by."""
-
-    image: Image.Image
-    pixel_hash: str
-    phash: int | None  # None: the cache's perceptual tier is off
+# an image ready to caption, with the keys the cache looks it up by (phash None: the
+# cache's perceptual tier is off)
+Upload = CaptionPixels
 
 
 def media_type(content_type: str | None) -> str:
@@ -146,4 +139,4 @@ def decode_upload(data: bytes, cfg: PairforgeConfig) -> Upload:
         status = pixels.status
         raise RequestError(_IMAGE_HTTP.get(status, 422), _IMAGE_KIND.get(status, status.value),
                            pixels.error)
-    return Upload(pixels.image, pixels.pixel_hash, pixels.phash)
+    return pixels
