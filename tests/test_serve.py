@@ -108,6 +108,32 @@ def _metric(text: str, name: str) -> float:
 
 # -- over HTTP ---------------------------------------------------------------------------------
 
+def test_haproxy_takes_the_connections_and_picks_free_ports(service, monkeypatch) -> None:
+    """The local Ray runs Serve in its high-throughput mode: HAProxy, not Serve's Python
+    proxy actor, listens on the service's port (a Ray that stops honouring the variables
+    would leave the proxy actor there). Its stats and metrics ports are picked free, and a
+    value the user set is kept (``ray_private.environment``)."""
+    import psutil
+
+    from pairforge.pipeline.ray_private import environment
+    from pairforge.pipeline.ray_runtime import serve_settings
+
+    port = int(service.rsplit(":", 1)[1])
+    owners = {psutil.Process(c.pid).name() for c in psutil.net_connections("tcp")
+              if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid}
+    assert owners == {"haproxy"}
+    settings = serve_settings()
+    assert settings["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert settings["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    stats, metrics = (int(settings[f"RAY_SERVE_HAPROXY_{name}_PORT"])
+                      for name in ("STATS", "METRICS"))
+    assert stats != metrics and port not in (stats, metrics)
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
+    with environment(settings):
+        assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+        assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == str(stats)
+
+
 def test_every_form_of_upload_gets_the_caption_and_the_cache_answers_repeats(
         service, images_server) -> None:
     scene = SCENES[0].read_bytes()
