@@ -42,7 +42,7 @@ def serve_settings() -> dict[str, str]:
     picked. An ingress replica that stops (shutdown, downscaling, a new config) stays open
     at least Ray's draining period, 30 s, for external load balancers to deregister it;
     the local HAProxy is told at once and retries a refused connection elsewhere, so 2 s
-    (Ctrl-C on ``pairforge serve`` took 30 s with Ray's). Nothing is set where no HAProxy
+    (stopping ``pairforge serve`` took 31 s with Ray's, 6 s now). Nothing is set where no HAProxy
     binary is found or the user turned HAProxy off (``RAY_SERVE_THROUGHPUT_OPTIMIZED``
     alone would leave no proxy on the HTTP port). A cluster's mode is its nodes'
     environment (README, "pairforge serve")."""
