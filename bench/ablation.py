@@ -105,8 +105,8 @@ def build(work: Path, name: str, table: Path, recaption: bool, p_drop: float,
         "input": {"path": str(table), "format": "csv", "shard_size": shard_size},
         "output": {"path": str(out)},
         "ray": {"num_cpus": 2},
-        # phash near-duplicates are colour-blind: scenes that differ only in colour share a
-        # hash, and dedup removed 31 % of distinct scenes (RESULTS.md); off for the ablation
+        # off: the arms compare captions on the same images, and dedup (as in the demo)
+        # would drop renders of the same scene a fraction of a pixel apart
         "dedup": {"enabled": False},
         "download": {"threads": 8, "timeout": 10, "allow_addresses": ["127.0.0.1/32"],
                      "image": {"resize_mode": "keep_ratio", "image_size": SIDE,

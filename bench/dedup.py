@@ -2,6 +2,7 @@
 
     python bench/dedup.py [--sizes 10000 100000 1000000] [--workers 1]
     python bench/dedup.py --parts kinds cost join semantic      (issue 19, see below)
+    python bench/dedup.py --parts kinds scenes demo             (issue 35: the grid checks)
 
 Stage 2 itself as Ray partition tasks, its driver's memory and its growth to 10^7 rows:
 ``bench/scale.py --stages dedup`` (issue 34).
@@ -14,6 +15,11 @@ Parts (``--parts``, default ``band``):
   photos among all the COCO sample photos, hashed by stage 1's own image code
   (``process_image``) and decided by ``find_duplicates``; false merges among distinct
   photos and the closest distinct pairs (whole hash, and over every point the join uses).
+* ``scenes``: the demo's 10,000 scenes drawn at 32 px (pairforge/sample), hashed by
+  ``process_image`` and decided under each set of grid checks, mirrors counted or not:
+  rows dropped, and dropped for a scene with another caption (the world's own caption).
+* ``demo``: the same count from a finished ``make demo`` build (``--demo-out``), read from
+  its ``dedup/duplicates.parquet`` and raw shards.
 * ``cost``: CPU per image of the hashes in stage 1 (the whole-image phash alone, all
   perceptual hashes, the pre-issue-19 box-reduced phash, and ``process_image`` whole).
 * ``join``: ``find_duplicates`` (all hash kinds: whole, mirror, regions) on ``--join-rows``
@@ -166,7 +172,10 @@ def main() -> None:
     parser.add_argument("--generated", type=int, default=500, help="generated images")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", nargs="+", default=["band"],
-                        choices=["band", "kinds", "cost", "join", "semantic", "semantic-ray"])
+                        choices=["band", "kinds", "scenes", "demo", "cost", "join", "semantic",
+                                 "semantic-ray"])
+    parser.add_argument("--demo-out", type=Path, default=ROOT / "out" / "demo",
+                        help="a finished `make demo` build (demo part)")
     parser.add_argument("--kind-families", type=int, default=300,
                         help="photos with planted variants (kinds part)")
     parser.add_argument("--join-rows", type=int, default=10**6)

@@ -9,7 +9,8 @@ import io
 import resource
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from PIL import Image, ImageEnhance, ImageOps
 from pairforge.config import DedupConfig, ImageConfig
 from pairforge.download.imageproc import ProcessedImage, process_image
 from pairforge.filters.dedup import ROWS_SCHEMA, find_duplicates, local_mapper
+from pairforge.filters.grids import GridCheck
 from pairforge.filters.hashing import perceptual_hashes, phash_u64
 from pairforge.filters.semantic import default_clusters, semantic_duplicates
 from pairforge.records import make_key
@@ -77,16 +79,21 @@ def kinds_part(families: int) -> None:
     table = pa.Table.from_pylist(rows, schema=ROWS_SCHEMA)
     print(f"\n{len(files)} photos, {families} with {len(KINDS)} planted variants each "
           f"({len(rows):,} rows)")
-    for colour in (None, DedupConfig().max_colour_distance):
-        print(f"\n### dedup.max_colour_distance: {colour}")
-        _recall(table, origin, colour)
+    for name, check in _CHECKS.items():
+        print(f"\n### {name}")
+        _recall(table, origin, check)
     _closest(rows[:len(files)])
 
 
-def _recall(table: pa.Table, origin: dict, colour: int | None) -> None:
+_CHECKS = {"grid checks off": GridCheck(),
+           "colour check only": replace(DedupConfig().grid_check(), max_structure_distance=None),
+           "colour and structure checks (the defaults)": DedupConfig().grid_check()}
+
+
+def _recall(table: pa.Table, origin: dict, check: GridCheck) -> None:
     started = time.perf_counter()
     dropped = {r["key"]: r for r in find_duplicates(
-        table, DedupConfig().max_distance, max_colour_distance=colour).duplicates.to_pylist()}
+        table, DedupConfig().max_distance, check=check).duplicates.to_pylist()}
     took = time.perf_counter() - started
     cluster = {k: dropped[k]["cluster_id"] if k in dropped else k for k in origin}
     original = {photo: k for k, (photo, kind) in origin.items() if kind == "original"}
@@ -104,6 +111,59 @@ def _recall(table: pa.Table, origin: dict, colour: int | None) -> None:
         named = ", ".join(f"{k} {v}" for k, v in sorted(labels[kind].items()))
         print(f"| {kind} | {sum(got)}/{len(got)} | {sum(got) / len(got):.3f} | {named} |")
     print(f"\nfalse merges (dropped for another photo): {len(wrong)} {wrong[:5]}")
+
+
+def scenes_part() -> None:
+    """The demo's bundled sample (10,000 scenes drawn at 32 px, pairforge/sample): hashed
+    as stage 1 hashes them, decided under each set of checks; how many rows are dropped,
+    and how many for a scene with another caption (the world's own caption of each
+    image, not its alt-text)."""
+    from pairforge.sample.generate import HERE
+    from pairforge.scenes.world import scenes
+
+    truth = [s.caption for s in scenes(9000, "train") + scenes(1000, "heldout")]
+    cfg = ImageConfig(image_size=32, resize_mode="keep_ratio", encode_format="png")
+    rows = [_row(make_key(0, i), process_image(
+        (HERE / "images" / f"scene_{i:05d}.png").read_bytes(), cfg)) for i in range(len(truth))]
+    table = pa.Table.from_pylist(rows, schema=ROWS_SCHEMA)
+    print(f"\n{len(rows):,} scenes of the bundled sample; max_distance "
+          f"{DedupConfig().max_distance}\n")
+    print("| checks | mirrors | dropped | for another scene | by kind |\n|---|---|---:|---:|---|")
+    for name, check in _CHECKS.items():
+        for mirrors in (True, False):
+            started = time.perf_counter()
+            found = find_duplicates(table, DedupConfig().max_distance,
+                                    check=replace(check, mirrors=mirrors)).duplicates
+            took = time.perf_counter() - started
+            row_of = {r["key"]: i for i, r in enumerate(rows)}
+            dropped = found.to_pylist()
+            wrong = sum(truth[row_of[d["key"]]] != truth[row_of[d["kept_key"]]] for d in dropped)
+            kinds = Counter(d["kind"].removeprefix("duplicate_") for d in dropped)
+            print(f"| {name} | {mirrors} | {len(dropped):,} | {wrong:,} | "
+                  f"{', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))} ({took:.1f} s) |")
+
+
+def demo_part(out: Path) -> None:
+    """A finished demo build (``make demo``): its rows dropped by dedup, and how many of
+    them for a scene with another caption or across the training and held-out scenes
+    (the world's own caption of each image, by the scene number in its URL)."""
+    import re
+
+    import pyarrow.parquet as pq
+
+    from pairforge.scenes.world import scenes
+
+    truth = [s.caption for s in scenes(9000, "train") + scenes(1000, "heldout")]
+    raw = pq.read_table(sorted((out / "raw").glob("*.parquet")), columns=["key", "url"])
+    scene_of = {k: int(re.search(r"scene_(\d+)", u).group(1))
+                for k, u in zip(raw["key"].to_pylist(), raw["url"].to_pylist(), strict=True)}
+    dropped = pq.read_table(out / "dedup" / "duplicates.parquet").to_pylist()
+    other = sum(truth[scene_of[d["key"]]] != truth[scene_of[d["kept_key"]]] for d in dropped)
+    across = sum((scene_of[d["key"]] >= 9000) != (scene_of[d["kept_key"]] >= 9000)
+                 for d in dropped)
+    kinds = Counter(d["kind"] for d in dropped)
+    print(f"\n{out}: {len(scene_of):,} raw rows, {len(dropped):,} dropped ({dict(kinds)}); "
+          f"for a scene with another caption: {other}; across training and held-out: {across}")
 
 
 def _closest(originals: list[dict]) -> None:
@@ -340,6 +400,10 @@ def run_parts(args: argparse.Namespace) -> bool:
     """Run issue 19's parts; True when nothing else (the band part) is asked for."""
     if "kinds" in args.parts:
         kinds_part(args.kind_families)
+    if "scenes" in args.parts:
+        scenes_part()
+    if "demo" in args.parts:
+        demo_part(args.demo_out)
     if "cost" in args.parts:
         cost_part()
     if "join" in args.parts:

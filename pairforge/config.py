@@ -7,7 +7,7 @@ message naming the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import (
@@ -20,6 +20,9 @@ from pydantic import (
 )
 
 from pairforge import __version__
+
+if TYPE_CHECKING:  # imported where used: numpy and Pillow
+    from pairforge.filters.grids import GridCheck
 
 DEFAULT_USER_AGENT = f"pairforge/{__version__} (+https://github.com/pairforge/pairforge)"
 
@@ -215,11 +218,26 @@ class DedupConfig(Strict):
     max_colour_distance: int | None = Field(
         32, ge=0, le=255, description="never merge two images whose 8x8 colour grids "
         "(mean Y, Cb, Cr per cell) differ by more than this in a cell (the better "
-        "orientation; crops exempt): phashes see luminance only, coarsely; null: off")
+        "orientation; a crop link's views: half of it): phashes see luminance only, "
+        "coarsely; null: off")
+    max_structure_distance: float | None = Field(
+        1.5, gt=0, description="never merge two images whose 16x16 grids, each less its "
+        "mean, differ in a cell by more than this many of the two images' standard "
+        "deviations over the cells (per channel, at least 8 levels): a small shape's "
+        "outline, which a 64-bit phash does not see; null: off (filters/grids.py)")
+    mirrors: bool = Field(
+        True, description="a left-right mirrored copy is a duplicate of its original; "
+        "false where captions say left and right (a mirror is then another picture)")
     index: list[str] = Field(default_factory=list,
                              description="dedup index parquet files of earlier builds")
     write_index: bool = Field(True, description="write this build's hashes as an index")
     semantic: SemanticDedupConfig = Field(default_factory=SemanticDedupConfig)
+
+    def grid_check(self) -> GridCheck:
+        """The checks of two rows' colour grids before a merge (filters/grids.py)."""
+        from pairforge.filters.grids import GridCheck  # noqa: PLC0415
+
+        return GridCheck(self.max_colour_distance, self.max_structure_distance, self.mirrors)
 
 
 class ModelPoolConfig(Strict):

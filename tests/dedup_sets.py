@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pairforge.config import DedupConfig
 from pairforge.filters.dedup import find_duplicates, next_index
 from pairforge.filters.dedup_parts import read_hash_columns, read_index
 from pairforge.filters.hashing import CROP_FRACTIONS
@@ -47,7 +48,7 @@ def _flip(rng: np.random.Generator, values: np.ndarray, most: int) -> np.ndarray
     return out
 
 
-COLOUR_BOUND = 32  # the default dedup.max_colour_distance
+COLOUR_BOUND = 32  # the default dedup.max_colour_distance (grids in the layout before format 2)
 
 
 def _grid(rng: np.random.Generator, base: np.ndarray | None = None,
@@ -183,7 +184,7 @@ def oracle(raw: Path, indexes: list[Path], max_distance: int, source: str,
                              for f in sorted(raw.glob("*.parquet"))])
     files = [f for path in indexes for f in index_files(path)]
     index = pa.concat_tables([read_index(str(f), {}) for f in files]) if files else None
-    result = find_duplicates(rows, max_distance, index, max_colour_distance=COLOUR_BOUND,
+    result = find_duplicates(rows, max_distance, index, check=DedupConfig().grid_check(),
                              perceptual=perceptual)
     return result.duplicates, result.stats, next_index(rows, result.duplicates, source,
                                                        index)

@@ -1,7 +1,8 @@
-"""The colour check of near-duplicate decisions (issue 35, item 4): phashes see luminance
-only, so images that differ in colour (or in a small shape) can share a hash; stage 2
-never merges two images whose 8x8 colour grids differ by more than
-``dedup.max_colour_distance`` in a cell."""
+"""The grid checks of near-duplicate decisions (issue 35, item 4; filters/grids.py):
+phashes see luminance only, coarsely, so images that differ in colour or in a small
+shape's outline can share a hash; stage 2 never merges two images whose colour grids
+differ by more than ``dedup.max_colour_distance`` in a cell of the 8x8 grid, or by more
+than ``dedup.max_structure_distance`` deviations in a cell of the 16x16 grid."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from PIL import Image, ImageEnhance, ImageOps
 from pairforge.config import DedupConfig, ImageConfig
 from pairforge.download.imageproc import ProcessedImage, process_image
 from pairforge.filters.dedup import INDEX_SCHEMA, ROWS_SCHEMA, find_duplicates
-from pairforge.filters.hashing import colour_distance, colour_grid
+from pairforge.filters.grids import GRID_BYTES, GridCheck, colour_distance, colour_grid, legacy_form
 from pairforge.scenes.world import COLOURS, render, scenes
 
-BOUND = DedupConfig().max_colour_distance
+CHECKS = DedupConfig().grid_check()  # the defaults: colour, structure, mirrors count
+COLOUR_ONLY = replace(CHECKS, max_structure_distance=None)
+OFF = GridCheck()
 T = DedupConfig().max_distance
 
 
@@ -42,17 +45,17 @@ def _row(key: str, image: ProcessedImage) -> dict:
             "original_height": image.original_height}
 
 
-def _decide(rows: list[dict], colour: int | None, index: pa.Table | None = None
+def _decide(rows: list[dict], check: GridCheck, index: pa.Table | None = None
             ) -> dict[str, dict]:
     table = pa.Table.from_pylist(rows, schema=ROWS_SCHEMA)
-    result = find_duplicates(table, T, index, max_colour_distance=colour)
+    result = find_duplicates(table, T, index, check=check)
     return {r["key"]: r for r in result.duplicates.to_pylist()}
 
 
 def test_the_grid_and_its_distance() -> None:
     red = Image.new("RGB", (64, 64), (200, 40, 40))
     blue = Image.new("RGB", (64, 64), (40, 80, 200))
-    assert len(colour_grid(red)) == 192 + 2 * 48
+    assert len(colour_grid(red)) == GRID_BYTES == 3 * 16 * 16 * 3
     assert colour_distance(colour_grid(red), colour_grid(red.resize((128, 128)))) == 0
     assert colour_distance(colour_grid(red), colour_grid(blue)) > 100
     half = Image.new("RGB", (64, 64), (128, 128, 128))
@@ -88,8 +91,8 @@ def test_recoloured_scenes_are_kept_and_copies_of_each_still_merge() -> None:
         return sum(cluster(dropped, f"{i:03d}re") == cluster(dropped, f"{i:03d}or")
                    for i in range(40))
 
-    without = _decide(rows, None)
-    checked = _decide(rows, BOUND)
+    without = _decide(rows, OFF)
+    checked = _decide(rows, COLOUR_ONLY)
     assert recoloured_merged(without) >= 20  # phash alone merges most recolourings
     assert recoloured_merged(checked) == 0
     for key, (scene, kind) in scene_of.items():  # every copy in its original's cluster
@@ -118,10 +121,16 @@ def test_photo_duplicates_keep_their_recall(families: int) -> None:
         for j, data in enumerate(variants.values()):
             rows.append(_row(f"{i:03d}{j}", process_image(data, cfg)))
             photo_of[rows[-1]["key"]] = i
-    checked = _decide(rows, BOUND)
+    checked = _decide(rows, CHECKS)
     assert len(checked) == families * 7  # every variant, or its original, dropped
     assert all(photo_of[k] == photo_of[r["kept_key"]] for k, r in checked.items())
-    assert _decide(rows, None).keys() == checked.keys()
+    assert _decide(rows, OFF).keys() == checked.keys()
+    # mirrors off: the mirrored copies stay (with the check on or off), nothing else moves
+    no_mirrors = _decide(rows, replace(CHECKS, mirrors=False))
+    mirrors = {f"{i:03d}6" for i in range(families)}
+    assert no_mirrors.keys() == checked.keys() - mirrors
+    assert not {r["kept_key"] for r in no_mirrors.values()} & mirrors
+    assert "duplicate_mirror" not in {r["kind"] for r in no_mirrors.values()}
 
 
 def test_an_index_without_grids_merges_as_before() -> None:
@@ -140,7 +149,47 @@ def test_an_index_without_grids_merges_as_before() -> None:
            "phash_mirror": red.phash_mirror, "crop_phashes": list(red.crop_phashes),
            "colour_grid": None, "original_width": 64, "original_height": 64}
     index = pa.Table.from_pylist([old], schema=INDEX_SCHEMA)
-    assert set(_decide([_row("blue", blue)], BOUND, index)) == {"blue"}
+    assert set(_decide([_row("blue", blue)], CHECKS, index)) == {"blue"}
     with_grid = pa.Table.from_pylist([{**old, "colour_grid": red.colour_grid}],
                                      schema=INDEX_SCHEMA)
-    assert _decide([_row("blue", blue)], BOUND, with_grid) == {}
+    assert _decide([_row("blue", blue)], CHECKS, with_grid) == {}
+    # a grid in the layout written before the structure check is compared in that form
+    legacy = pa.Table.from_pylist([{**old, "colour_grid": legacy_form(red.colour_grid)}],
+                                  schema=INDEX_SCHEMA)
+    assert len(legacy_form(red.colour_grid)) == 192 + 2 * 48
+    assert _decide([_row("blue", blue)], CHECKS, legacy) == {}
+    assert set(_decide([_row("red", red)], CHECKS, legacy)) == {"red"}
+
+
+def test_scenes_that_differ_in_one_shape_are_kept_and_copies_still_merge() -> None:
+    """The demo's case: scenes drawn at 32 px and the same scenes with their first object
+    in another shape (same colour, same place): a 64-bit phash and the colour check merge
+    many such pairs, the structure check none. With mirrors off (the demo: its captions
+    say left and right) no row is dropped for a scene with another caption, and a PNG
+    twin and a 2x copy of every scene merge with it."""
+    cfg = ImageConfig(image_size=32, encode_format="png")
+    rows, caption_of = [], {}
+    for i, s in enumerate(scenes(60)):
+        other = "square" if s.things[0].shape == "circle" else "circle"
+        reshaped = replace(s, things=(replace(s.things[0], shape=other), *s.things[1:]))
+        image = render(s, 32)
+        for kind, picture in {"or": image, "re": render(reshaped, 32),
+                              "do": image.resize((64, 64), Image.BICUBIC)}.items():
+            rows.append(_row(f"{i:03d}{kind}", process_image(_png(picture), cfg)))
+            caption_of[rows[-1]["key"]] = reshaped.caption if kind == "re" else s.caption
+        rows.append({**rows[-3], "key": f"{i:03d}tw"})  # a PNG twin of the original
+        caption_of[f"{i:03d}tw"] = s.caption
+
+    def reshaped_merged(dropped: dict[str, dict]) -> int:
+        cluster = {k: dropped[k]["kept_key"] if k in dropped else k for k in caption_of}
+        return sum(cluster[f"{i:03d}re"] == cluster[f"{i:03d}or"] for i in range(60))
+
+    assert reshaped_merged(_decide(rows, COLOUR_ONLY)) >= 15
+    assert reshaped_merged(_decide(rows, CHECKS)) == 0
+    checked = _decide(rows, replace(CHECKS, mirrors=False))
+    assert reshaped_merged(checked) == 0
+    assert all(caption_of[k] == caption_of[r["kept_key"]] for k, r in checked.items())
+    for i in range(60):
+        kept = checked.get(f"{i:03d}or", {}).get("kept_key", f"{i:03d}or")
+        for copy in ("do", "tw"):
+            assert checked.get(f"{i:03d}{copy}", {}).get("kept_key", f"{i:03d}{copy}") == kept

@@ -56,8 +56,8 @@ from PIL import ExifTags, Image, ImageOps, JpegImagePlugin, UnidentifiedImageErr
 from pairforge.config import ImageConfig
 from pairforge.download import jpegdecode
 from pairforge.download.resample import downscale as _downscale
+from pairforge.filters.grids import colour_grid
 from pairforge.filters.hashing import (
-    colour_grid,
     perceptual_hashes,
     phash_u64,
     pixel_hash_hex,
@@ -106,7 +106,7 @@ class ProcessedImage:
     phash: int  # unsigned 64-bit perceptual hash
     phash_mirror: int  # the phash of the image mirrored left-right
     crop_phashes: tuple[int, ...]  # centre regions' phashes (filters.hashing.CROP_FRACTIONS)
-    colour_grid: bytes  # 8x8 YCbCr cell means (filters.hashing.colour_grid)
+    colour_grid: bytes  # 16x16 YCbCr cell means (filters.grids.colour_grid)
     exif: str | None  # JSON of a few EXIF tags
 
 

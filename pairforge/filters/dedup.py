@@ -62,7 +62,19 @@ import pyarrow.compute as pc
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from pairforge.filters.hashing import CROP_FRACTIONS, PIXEL_HASH, colour_distance, view_grid
+from pairforge.filters.grids import (
+    POINT_FRACTIONS,
+    POINTS,
+    GridCheck,
+    Grids,
+    colour_distance,
+    compatible,
+    is_legacy,
+    legacy_form,
+    readable,
+    view_grid,
+)
+from pairforge.filters.hashing import PIXEL_HASH
 from pairforge.records import Status
 
 HASH_BITS = 64
@@ -512,9 +524,11 @@ def _u64(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return values, valid
 
 
-def points_of(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+def points_of(table: pa.Table, mirrors: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(rows, K) matrix of every row's hashes and their validity: whole image, mirror, then
-    the region hashes (K - 2 of them: the longest crop_phashes list present)."""
+    the region hashes (K - 2 of them: the longest crop_phashes list present; each region's
+    hash, then its mirror's). ``mirrors=False``: the mirrors' hashes are invalid, so that
+    no mirrored copy links to its original."""
     whole, whole_ok = _u64(table["phash"])
     mirror, mirror_ok = _u64(table["phash_mirror"])
     crops = table["crop_phashes"].combine_chunks()
@@ -529,6 +543,8 @@ def points_of(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
         rows = np.repeat(np.arange(len(table)), lengths)
         cols = _REGIONS + np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         values[rows, cols], valid[rows, cols] = flat, flat_ok
+    if not mirrors:
+        valid[:, _MIRROR::2] = False
     return values, valid
 
 
@@ -708,18 +724,18 @@ def duplicates_table(table: pa.Table, dropped: np.ndarray, kept: np.ndarray,
 
 def colour_groups(labels: np.ndarray, rank: np.ndarray, grids: pa.ChunkedArray | pa.Array,
                   points: np.ndarray, valid: np.ndarray, max_distance: int,
-                  max_colour_distance: int | None) -> np.ndarray:
-    """The components split by colour: labels under which no row is merged with one whose
-    colour grid differs by more than ``max_colour_distance`` (filters/hashing.py).
+                  check: GridCheck) -> np.ndarray:
+    """The components split by the grid checks (filters/grids.py): labels under which no
+    row is merged with one whose colour grid the checks tell apart.
 
     In each component of two or more, rows are taken in survivor order; a row joins the
     group of the first earlier survivor it is compatible with, or starts its own group as
-    its survivor. Compatible (:func:`_compatible`): the whole-image grids are within the
-    bound (in the better orientation, so a mirror is compared mirrored), or a crop link's
-    two views are (the region's grid against the cut copy's), or either row has no grid
-    (an index or raw shard written before it: as before the check). Depends on row
-    contents only, like the survivor rule."""
-    if max_colour_distance is None or len(labels) == 0:
+    its survivor. Compatible: the whole images pass the checks (as given, or mirrored when
+    mirrors count), or a pair of their points that involves a region (a crop link) is
+    within ``max_distance`` bits and what those points see passes them, or either row has
+    no grid (a raw shard or index written before it: as before the check). Depends on
+    row contents only, like the survivor rule."""
+    if not check.active or len(labels) == 0:
         return labels
     order = np.lexsort((rank, labels))
     sorted_labels = labels[order]
@@ -731,45 +747,107 @@ def colour_groups(labels: np.ndarray, rank: np.ndarray, grids: pa.ChunkedArray |
     for start, end in zip(starts, ends, strict=True):
         if end - start < 2:
             continue
-        survivors: list[int] = []
-        for row in order[start:end]:
-            match = next((s for s in survivors if _compatible(
-                row, s, grid_of, points, valid, max_distance, max_colour_distance)), None)
-            if match is None:
-                if survivors:  # a second colour in this component: a group of its own
-                    refined[row], next_label = next_label, next_label + 1
-                survivors.append(row)
-            else:
-                refined[row] = refined[match]
+        members = order[start:end]
+        groups = _split_component(members, grid_of, points, valid, max_distance, check)
+        for group in np.unique(groups)[1:]:  # the first group keeps the component's label
+            refined[members[groups == group]], next_label = next_label, next_label + 1
     return refined
 
 
-def _compatible(row: int, survivor: int, grids: list[bytes | None], points: np.ndarray,
-                valid: np.ndarray, max_distance: int, max_colour_distance: int) -> bool:
-    """Whether two rows' colours allow a merge: either has no grid, or their whole-image
-    grids are within the bound, or a pair of their points that involves a region (a crop
-    link) is within ``max_distance`` bits and the grids of what those points see are
-    within half the bound: 4x4 cells average a recoloured object over more background
-    (true crops, mirrors, resizes and re-encodes of 300 COCO photos: at most 15; the
-    recoloured scenes of tests/test_colour_check.py: 26 and more)."""
-    a, b = grids[row], grids[survivor]
-    if a is None or b is None or colour_distance(a, b) <= max_colour_distance:
+def _split_component(members: np.ndarray, grids: list[bytes | None], points: np.ndarray,
+                     valid: np.ndarray, max_distance: int, check: GridCheck) -> np.ndarray:
+    """Group number of each member (in survivor order): its first compatible survivor's."""
+    held = [readable(grids[m]) for m in members]
+    if any(g is not None and is_legacy(g) for g in held):  # an older index or raw shard
+        return _split_legacy(members, held, points, valid, max_distance, check)
+    has_grid = np.array([g is not None for g in held])
+    decoded = Grids.of([g for g in held if g is not None]) if has_grid.any() else None
+    slot = np.cumsum(has_grid) - 1  # member -> row of ``decoded``
+    return _greedy_groups(len(members), lambda i, survivors: _first_compatible(
+        i, survivors, members, has_grid, slot, decoded, points, valid, max_distance, check))
+
+
+def _greedy_groups(count: int, first_match: Callable[[int, list[int]], int | None]
+                   ) -> np.ndarray:
+    """Group of each of ``count`` members in survivor order: that of the first survivor
+    ``first_match`` names, or a new one with the member as its survivor."""
+    group = np.zeros(count, dtype=np.int64)
+    survivors: list[int] = []
+    for i in range(count):
+        match = first_match(i, survivors)
+        if match is None:
+            group[i] = len(survivors)
+            survivors.append(i)
+        else:
+            group[i] = group[match]
+    return group
+
+
+def _first_compatible(i: int, survivors: list[int], members: np.ndarray,
+                      has_grid: np.ndarray, slot: np.ndarray, decoded: Grids | None,
+                      points: np.ndarray, valid: np.ndarray, max_distance: int,
+                      check: GridCheck) -> int | None:
+    """The earliest survivor member ``i`` may merge with, or None."""
+    if not survivors:
+        return None
+    if not has_grid[i] or decoded is None:
+        return survivors[0]
+    held = np.array(survivors)
+    ok = ~has_grid[held]
+    graded = held[has_grid[held]]
+    row, others = slot[i], slot[graded]
+    passed = compatible(decoded, row, _WHOLE, others, _WHOLE, check)
+    if check.mirrors and not passed.all():
+        passed[~passed] = compatible(decoded, row, _WHOLE, others[~passed], _MIRROR, check)
+    limit = min(points.shape[1], POINTS)
+    for a in range(limit):
+        for b in range(limit):
+            # two points framed alike (both whole, or the same region) see what the whole
+            # images' check saw: a crop link is between two framings
+            if POINT_FRACTIONS[a] == POINT_FRACTIONS[b] or passed.all():
+                continue
+            linked = (~passed & valid[members[i], a] & valid[members[graded], b]
+                      & (np.bitwise_count(points[members[i], a] ^ points[members[graded], b])
+                         <= max_distance))
+            if linked.any():
+                passed[linked] = compatible(decoded, row, a, others[linked], b, check)
+    ok[has_grid[held]] = passed
+    first = np.flatnonzero(ok)
+    return survivors[first[0]] if len(first) else None
+
+
+def _split_legacy(members: np.ndarray, held: list[bytes | None], points: np.ndarray,
+                  valid: np.ndarray, max_distance: int, check: GridCheck) -> np.ndarray:
+    """The colour check alone, on grids in the layout written before the structure check
+    (filters/grids.legacy_form), pair by pair as it ran then."""
+    legacy = [None if g is None else legacy_form(g) for g in held]
+    return _greedy_groups(len(members), lambda i, survivors: next(
+        (s for s in survivors if _legacy_compatible(
+            i, s, members, legacy, points, valid, max_distance, check)), None))
+
+
+def _legacy_compatible(i: int, s: int, members: np.ndarray, grids: list[bytes | None],
+                       points: np.ndarray, valid: np.ndarray, max_distance: int,
+                       check: GridCheck) -> bool:
+    """Either has no grid, or the whole grids are within the colour bound, or a crop link's
+    two 4x4 views are within half of it (a 4x4 cell averages a recoloured object over more
+    background: true crops, mirrors, resizes and re-encodes of 300 COCO photos: at most
+    15; the recoloured scenes of tests/test_colour_check.py: 26 and more)."""
+    a, b = grids[i], grids[s]
+    bound = check.max_colour_distance
+    if a is None or b is None or bound is None or colour_distance(a, b) <= bound:
         return True
-    limit = min(points.shape[1], _POINTS_WITH_GRIDS)
-    for i in range(limit):
-        for j in range(limit):
-            if (i < _REGIONS and j < _REGIONS) or not (valid[row, i] and valid[survivor, j]):
+    row, survivor = members[i], members[s]
+    limit = min(points.shape[1], POINTS)
+    for p in range(limit):
+        for q in range(limit):
+            if (p < _REGIONS and q < _REGIONS) or not (valid[row, p] and valid[survivor, q]):
                 continue
-            if int(np.bitwise_count(points[row, i] ^ points[survivor, j])) > max_distance:
+            if int(np.bitwise_count(points[row, p] ^ points[survivor, q])) > max_distance:
                 continue
-            difference = np.abs(view_grid(a, i) - view_grid(b, j)).max()
-            if difference <= max_colour_distance // 2:
+            if np.abs(view_grid(a, p) - view_grid(b, q)).max() <= bound // 2:
                 return True
     return False
-
-
-# the points a colour grid has a view of: whole, mirror, and each region with its mirror
-_POINTS_WITH_GRIDS = 2 + 2 * len(CROP_FRACTIONS)
 
 
 def survivor_rank(table: pa.Table, from_index: np.ndarray) -> np.ndarray:
@@ -797,7 +875,7 @@ def _exact_losers(exact_codes: np.ndarray, rank: np.ndarray) -> np.ndarray:
 
 
 def colour_splits(components: np.ndarray, labels: np.ndarray, from_index: np.ndarray) -> int:
-    """New rows kept because the colour check split their component: the groups beyond
+    """New rows kept because the grid checks split their component: the groups beyond
     one per component, over the rows of this build."""
     new = ~from_index
     return int(len(np.unique(labels[new])) - len(np.unique(components[new])))
@@ -833,7 +911,7 @@ def _stats(duplicates: pa.Table, from_index: np.ndarray, labels: np.ndarray,
 
 def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = None,
                     mapper: CombosMapper | None = None,
-                    max_colour_distance: int | None = None,
+                    check: GridCheck = GridCheck(),
                     perceptual: bool = True) -> DedupResult:
     """Decide which of ``rows`` (ROWS_SCHEMA, ok rows) are duplicates, in this process:
     the single-process reference of stage 2 (see the module docstring).
@@ -843,12 +921,12 @@ def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = 
     that are missing, degenerate or dense stay out of the perceptual join (a row whose
     hashes all are only takes part in the exact join). ``mapper`` runs the band
     combinations (locally by default; the stage passes a Ray one);
-    ``max_colour_distance``: the colour check (:func:`colour_groups`; None: off);
+    ``check``: the grid checks and whether mirrors count (:func:`colour_groups`);
     ``perceptual``: False leaves every row out of the perceptual join (exact only).
     """
     _check_unique_keys(rows["key"])
     table, from_index = _combined(rows, index)
-    points, valid = points_of(table)
+    points, valid = points_of(table, check.mirrors)
     informative = valid & ~is_degenerate(points)
     values, node = _hash_nodes(points, informative & perceptual)
     near = near_pairs(values, max_distance, mapper)
@@ -859,7 +937,7 @@ def find_duplicates(rows: pa.Table, max_distance: int, index: pa.Table | None = 
     rank = survivor_rank(table, from_index)
     components = graph.components()
     labels = colour_groups(components, rank, table["colour_grid"], points, valid,
-                           max_distance, max_colour_distance)
+                           max_distance, check)
     kept = best_of_groups(labels, rank)
     dropped = (kept != np.arange(len(table))) & ~from_index
     exact = _exact_losers(graph.exact_codes, rank)

@@ -78,6 +78,7 @@ from pairforge.filters.dedup import (
     survivor_order,
     survivor_rank,
 )
+from pairforge.filters.grids import GridCheck
 from pairforge.filters.shuffle import (
     mix64,
     part_of,
@@ -130,7 +131,7 @@ class Work:
     storage_options: dict[str, Any]
     parts: int  # partitions of rows, keys, exact hashes, values and links
     max_distance: int
-    max_colour_distance: int | None = None  # filters/dedup.colour_groups (None: off)
+    check: GridCheck = GridCheck()  # filters/dedup.colour_groups; whether mirrors count
     perceptual: bool = True  # False: no row's hashes enter the near join (exact only)
     # An append (pipeline/dedup_stage.py): this build's label in its own index, whose
     # rows are read back as index rows (they win, as shipped rows) with no source, so
@@ -326,7 +327,7 @@ def scatter(work: Work, unit: int, files: list[InputFile]) -> dict[str, Any]:
     write_parts(fs, work.file("keys", unit), pa.table({"key": keys}, schema=KEY_SCHEMA),
                 part_of(string_hash(keys), parts))
     _write_exact(fs, work.file("exact", unit), table, parts)
-    points, valid = points_of(table)
+    points, valid = points_of(table, work.check.mirrors)
     usable = valid & ~is_degenerate(points)
     degenerate_whole = valid[:, _WHOLE] & ~usable[:, _WHOLE] & new
     usable &= work.perceptual
@@ -568,9 +569,9 @@ def decide(work: Work, part: int, boundaries: list[str]) -> dict[str, int]:
     from_index = table["from_index"].to_numpy(zero_copy_only=False)
     _, components = np.unique(table["label"].to_numpy(), return_inverse=True)
     rank = survivor_rank(table, from_index)
-    points, valid = points_of(table)
+    points, valid = points_of(table, work.check.mirrors)
     labels = colour_groups(components, rank, table["colour_grid"], points, valid,
-                           work.max_distance, work.max_colour_distance)
+                           work.max_distance, work.check)
     kept = best_of_groups(labels, rank) if len(table) else np.zeros(0, np.int64)
     dropped = (kept != np.arange(len(table))) & ~from_index
     found = duplicates_table(table, dropped, kept,

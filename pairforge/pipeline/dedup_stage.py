@@ -375,7 +375,7 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
     _remove(fs, work_path)  # what an interrupted run left: this run redoes all of it
     work = Work(fs.unstrip_protocol(work_path), opts,
                 partition_count(sum(counts), cluster_cpus()), cfg.max_distance,
-                cfg.max_colour_distance, cfg.perceptual, source if append else None,
+                cfg.grid_check(), cfg.perceptual, source if append else None,
                 (fs.unstrip_protocol(posixpath.join(root, DUPLICATES_FILE)),
                  fs.unstrip_protocol(posixpath.join(root, INDEX_FILE))) if append else None)
     units = _units(work_inputs, counts)

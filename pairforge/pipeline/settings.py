@@ -49,7 +49,8 @@ PROCESS_SECTIONS = ("dedup", "process.tasks")  # the dedup decisions; the writer
 # process 2: the wider attribute rule and constrained decoding (issue 20)
 # process 3: an attribute adjective left without its noun is the person (issue 20)
 # download 5: the colour_grid column (a raw shard without it cannot take the colour check)
-OUTPUT_VERSIONS = {"download": 5, "process": 3}
+# download 6: the colour grid is 16x16 of the whole image (the structure check reads it)
+OUTPUT_VERSIONS = {"download": 6, "process": 3}
 # Settings added after builds were made, with the value that leaves what an earlier
 # pairforge wrote unchanged: recorded only when set otherwise, so that an upgrade does not
 # mark every complete shard as made under other settings (and the golden build stays).
@@ -58,6 +59,7 @@ ADDED_SETTINGS: dict[str, Any] = {
     "dedup.semantic.max_clusters": 50_000,
     "dedup.semantic.sample_rows": 131_072,
     "dedup.perceptual": True,
+    "dedup.mirrors": True,
     "download.opt_out_lists": [],
     "download.block_lists": [],
     # issue 35: a recaption-first build keeps rows without usable alt-text in stage 1 and
