@@ -86,8 +86,8 @@ def kinds_part(families: int) -> None:
 
 
 _CHECKS = {"grid checks off": GridCheck(),
-           "colour check only": replace(DedupConfig().grid_check(), max_structure_distance=None),
-           "colour and structure checks (the defaults)": DedupConfig().grid_check()}
+           "colour check only": replace(GridCheck.of(DedupConfig()), max_structure_distance=None),
+           "colour and structure checks (the defaults)": GridCheck.of(DedupConfig())}
 
 
 def _recall(table: pa.Table, origin: dict, check: GridCheck) -> None:

@@ -7,7 +7,7 @@ message naming the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -20,9 +20,6 @@ from pydantic import (
 )
 
 from pairforge import __version__
-
-if TYPE_CHECKING:  # imported where used: numpy and Pillow
-    from pairforge.filters.grids import GridCheck
 
 DEFAULT_USER_AGENT = f"pairforge/{__version__} (+https://github.com/pairforge/pairforge)"
 
@@ -232,12 +229,6 @@ class DedupConfig(Strict):
                              description="dedup index parquet files of earlier builds")
     write_index: bool = Field(True, description="write this build's hashes as an index")
     semantic: SemanticDedupConfig = Field(default_factory=SemanticDedupConfig)
-
-    def grid_check(self) -> GridCheck:
-        """The checks of two rows' colour grids before a merge (filters/grids.py)."""
-        from pairforge.filters.grids import GridCheck  # noqa: PLC0415
-
-        return GridCheck(self.max_colour_distance, self.max_structure_distance, self.mirrors)
 
 
 class ModelPoolConfig(Strict):

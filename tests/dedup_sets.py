@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from pairforge.config import DedupConfig
 from pairforge.filters.dedup import find_duplicates, next_index
 from pairforge.filters.dedup_parts import read_hash_columns, read_index
+from pairforge.filters.grids import GridCheck
 from pairforge.filters.hashing import CROP_FRACTIONS
 from pairforge.records import Status, make_key, raw_schema
 
@@ -184,7 +185,7 @@ def oracle(raw: Path, indexes: list[Path], max_distance: int, source: str,
                              for f in sorted(raw.glob("*.parquet"))])
     files = [f for path in indexes for f in index_files(path)]
     index = pa.concat_tables([read_index(str(f), {}) for f in files]) if files else None
-    result = find_duplicates(rows, max_distance, index, check=DedupConfig().grid_check(),
+    result = find_duplicates(rows, max_distance, index, check=GridCheck.of(DedupConfig()),
                              perceptual=perceptual)
     return result.duplicates, result.stats, next_index(rows, result.duplicates, source,
                                                        index)

@@ -20,7 +20,7 @@ from pairforge.filters.dedup import INDEX_SCHEMA, ROWS_SCHEMA, find_duplicates
 from pairforge.filters.grids import GRID_BYTES, GridCheck, colour_distance, colour_grid, legacy_form
 from pairforge.scenes.world import COLOURS, render, scenes
 
-CHECKS = DedupConfig().grid_check()  # the defaults: colour, structure, mirrors count
+CHECKS = GridCheck.of(DedupConfig())  # the defaults: colour, structure, mirrors count
 COLOUR_ONLY = replace(CHECKS, max_structure_distance=None)
 OFF = GridCheck()
 T = DedupConfig().max_distance

@@ -157,8 +157,9 @@ def test_crawl_delay_spaces_requests_across_threads(tmp_path, server):
     times = sorted(t for t, path in server.arrivals if path.startswith("/img/"))
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert len(times) == 6
-    # the client's clock spaces the sends; 10 ms covers scheduling between send and arrival
-    assert min(gaps) >= 0.25 - 0.01, gaps
+    # the client's clock spaces the sends; 30 ms covers scheduling between send and arrival
+    # on a loaded 2-core host (a gap of 0.240 s was seen at load average 7.5)
+    assert min(gaps) >= 0.25 - 0.03, gaps
     assert time.monotonic() - started >= 5 * 0.25
     (origin,) = stats["consent"]["origins"].values()
     assert origin == {"robots_txt": "ok", "crawl_delay": 0.25}

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from pairforge.config import DedupConfig
 from pairforge.filters.hashing import CROP_FRACTIONS
 
 GRID_SIDE, _CHANNELS = 16, 3
@@ -55,6 +56,10 @@ class GridCheck:
     max_colour_distance: int | None = None
     max_structure_distance: float | None = None
     mirrors: bool = True  # a mirrored copy may merge (compared mirrored)
+
+    @classmethod
+    def of(cls, cfg: DedupConfig) -> GridCheck:
+        return cls(cfg.max_colour_distance, cfg.max_structure_distance, cfg.mirrors)
 
     @property
     def active(self) -> bool:

@@ -37,6 +37,7 @@ from pairforge.config import DedupConfig, PairforgeConfig, RayConfig
 from pairforge.filters import dedup_parts as parts
 from pairforge.filters.dedup import DUPLICATES_SCHEMA, HASH_BITS, HASH_KINDS, plan_bands
 from pairforge.filters.dedup_parts import InputFile, Work
+from pairforge.filters.grids import GridCheck
 from pairforge.pipeline.dedup_append import (
     INDEX_FILE,
     added_to,
@@ -375,7 +376,7 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
     _remove(fs, work_path)  # what an interrupted run left: this run redoes all of it
     work = Work(fs.unstrip_protocol(work_path), opts,
                 partition_count(sum(counts), cluster_cpus()), cfg.max_distance,
-                cfg.grid_check(), cfg.perceptual, source if append else None,
+                GridCheck.of(cfg), cfg.perceptual, source if append else None,
                 (fs.unstrip_protocol(posixpath.join(root, DUPLICATES_FILE)),
                  fs.unstrip_protocol(posixpath.join(root, INDEX_FILE))) if append else None)
     units = _units(work_inputs, counts)
