@@ -128,6 +128,7 @@ def scenes_part() -> None:
     table = pa.Table.from_pylist(rows, schema=ROWS_SCHEMA)
     print(f"\n{len(rows):,} scenes of the bundled sample; max_distance "
           f"{DedupConfig().max_distance}\n")
+    row_of = {r["key"]: i for i, r in enumerate(rows)}
     print("| checks | mirrors | dropped | for another scene | by kind |\n|---|---|---:|---:|---|")
     for name, check in _CHECKS.items():
         for mirrors in (True, False):
@@ -135,7 +136,6 @@ def scenes_part() -> None:
             found = find_duplicates(table, DedupConfig().max_distance,
                                     check=replace(check, mirrors=mirrors)).duplicates
             took = time.perf_counter() - started
-            row_of = {r["key"]: i for i, r in enumerate(rows)}
             dropped = found.to_pylist()
             wrong = sum(truth[row_of[d["key"]]] != truth[row_of[d["kept_key"]]] for d in dropped)
             kinds = Counter(d["kind"].removeprefix("duplicate_") for d in dropped)

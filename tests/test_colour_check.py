@@ -62,6 +62,8 @@ def test_the_grid_and_its_distance() -> None:
     half.paste(red.crop((0, 0, 32, 64)), (0, 0))
     # the mirror is compared mirrored
     assert colour_distance(colour_grid(half), colour_grid(ImageOps.mirror(half))) == 0
+    assert colour_distance(colour_grid(half), colour_grid(ImageOps.mirror(half)),
+                           mirrors=False) > CHECKS.max_colour_distance
 
 
 def test_recoloured_scenes_are_kept_and_copies_of_each_still_merge() -> None:

@@ -835,7 +835,7 @@ def _legacy_compatible(i: int, s: int, members: np.ndarray, grids: list[bytes | 
     15; the recoloured scenes of tests/test_colour_check.py: 26 and more)."""
     a, b = grids[i], grids[s]
     bound = check.max_colour_distance
-    if a is None or b is None or bound is None or colour_distance(a, b) <= bound:
+    if a is None or b is None or bound is None or colour_distance(a, b, check.mirrors) <= bound:
         return True
     row, survivor = members[i], members[s]
     limit = min(points.shape[1], POINTS)

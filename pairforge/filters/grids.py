@@ -20,7 +20,7 @@ Two checks, each in the better orientation (as given, or mirrored when mirrors c
 
 A copy with its borders cut meets its original through a region's hash (CROP_FRACTIONS):
 the checks then compare what the two linked points see (the region's grid against the cut
-copy's whole one), the colour on 4x4 cells at half the bound.
+copy's whole one), each at half its bound (the colour on 4x4 cells).
 
 Grids written before the structure check (``LEGACY_GRID_BYTES``: 8x8 of the whole image
 and 4x4 of each region, after an integer reduce) are still read: a pair with one is
@@ -71,8 +71,9 @@ def colour_grid(image: Image.Image) -> bytes:
     w, h = image.size
     # An integer reduce that keeps at least 4 pixels per cell, then exact cell means by
     # the share of each reduced pixel inside each cell: Pillow's box filter rounds cell
-    # edges to whole pixels, which left a mirrored copy up to 60 levels off. The products
-    # stay under OpenBLAS's threading size (filters/hashing._ROWS_PER_PRODUCT).
+    # edges to whole pixels, which left a mirrored copy up to 60 levels off. At ordinary
+    # aspect ratios the products stay under OpenBLAS's threading size
+    # (filters/hashing._ROWS_PER_PRODUCT): 0.46 ms for a 640x480 decode.
     factor = max(1, min(w, h) // (GRID_SIDE * 4))
     small = (image.reduce(factor) if factor > 1 else image).convert("YCbCr")
     channels = np.asarray(small, dtype=np.float32).transpose(2, 0, 1)
@@ -187,13 +188,15 @@ def _cells(data: bytes, side: int) -> np.ndarray:
     return np.frombuffer(data, np.uint8).reshape(side, side, _CHANNELS).astype(np.int16)
 
 
-def colour_distance(a: bytes, b: bytes) -> int:
+def colour_distance(a: bytes, b: bytes, mirrors: bool = True) -> int:
     """The largest difference of one cell's Y, Cb or Cr between two grids' 8x8 forms, in
-    the better of the two orientations (as given, or ``b`` mirrored left-right)."""
+    the better of the two orientations (as given, or, when ``mirrors``, ``b`` mirrored
+    left-right)."""
     whole = LEGACY_WHOLE * LEGACY_WHOLE * _CHANNELS
     first = _cells(legacy_form(a)[:whole], LEGACY_WHOLE)
     second = _cells(legacy_form(b)[:whole], LEGACY_WHOLE)
-    return int(min(np.abs(first - second).max(), np.abs(first - second[:, ::-1]).max()))
+    as_given = int(np.abs(first - second).max())
+    return min(as_given, int(np.abs(first - second[:, ::-1]).max())) if mirrors else as_given
 
 
 def view_grid(grid: bytes, point: int) -> np.ndarray:
