@@ -73,7 +73,22 @@ class ImageConfig(Strict):
     encode_format: Literal["jpg", "webp", "png"] = "jpg"
     encode_quality: int = Field(95, ge=0, le=100)
     max_pixels: int = Field(89_478_485, gt=0,
-                            description="decoded-pixel cap (decompression bombs)")
+                            description="cap on the image's pixels as its header gives them "
+                            "(decompression bombs); over it: too_large before decoding")
+    # Both caps below are checked against the plan, before a pixel is allocated: a 274-byte
+    # PNG of 65535x1 asked keep_ratio for a 16.7-million x 256 image (6+ GiB), and a 10 KB
+    # PNG of 9000x9000 decodes to 81 million pixels (~950 MiB of buffers).
+    max_decoded_pixels: int = Field(
+        33_554_432, gt=0, description="cap on the pixels decoded at once (a JPEG at its "
+        "reduced decode scale, any other image whole); a worker holds about 12 bytes a "
+        "decoded pixel, ~400 MB at this cap; over it: too_large before decoding")
+    max_output_pixels: int | None = Field(
+        None, gt=0, description="cap on the pixels a resize makes (the resized image before "
+        "a center crop, the padded canvas); null: 64 x image_size^2, i.e. at keep_ratio a "
+        "long side up to 64 times the short one; over it: too_large before decoding")
+
+    def output_pixel_cap(self) -> int:
+        return self.max_output_pixels or 64 * self.image_size ** 2
 
 
 class BlockListConfig(Strict):
@@ -107,6 +122,10 @@ class DownloadConfig(Strict):
     max_retry_after: float = Field(30.0, ge=0, description="longest Retry-After honoured")
     max_redirects: int = Field(5, ge=0)
     max_bytes: int = Field(20 * 1024**2, gt=0, description="body cap, read while streaming")
+    max_task_memory_mb: int | None = Field(
+        4096, gt=0, description="memory guard: a shard task whose resident memory passes "
+        "this ends at once (Linux), and its retry gives the rows whose images were being "
+        "processed status too_large instead of decoding them again; null: off")
     user_agent: str = Field(
         DEFAULT_USER_AGENT, min_length=1,
         description="the User-Agent header, naming a contact URL; its product token (before "

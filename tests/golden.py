@@ -53,7 +53,7 @@ PORT = 47391
 # consent.fetched: which of a node's concurrent tasks fetches a host's robots.txt first
 # (the others read the node's cache) is up to the scheduler.
 VOLATILE_KEYS = {"seconds", "rows_per_s", "duration_s", "start_time", "end_time", "created",
-                 "pairforge_version", "versions", "log", "fetched"}
+                 "pairforge_version", "versions", "log", "fetched", "peak_resident_mib"}
 FLOAT_TOLERANCE = 1e-4  # last-bit differences between CPUs are ~1e-7
 
 

@@ -9,7 +9,12 @@ Order of work, cheapest rejection first:
 1. ``Image.open`` reads only the header: unrecognised bytes are ``not_an_image``; more
    pixels than ``max_pixels`` are ``too_large`` before any pixel is decoded; a smaller side
    under ``min_image_size`` is ``too_small``; long/short over ``max_aspect_ratio`` is
-   ``bad_aspect``.
+   ``bad_aspect``. Then the plan (the resize, the decode scale) is checked against its caps
+   before anything is allocated: more pixels decoded at once than ``max_decoded_pixels``,
+   or a resize making more than ``max_output_pixels`` (a 65535x1 spacer at keep_ratio
+   asks for 16.7 million x 256), are ``too_large``. Only the first frame or page of an
+   animation or multi-page file is ever read, and an ICO is sized by the image it
+   embeds, not by its directory.
 2. For a JPEG that will be shrunk at least 2x, ``Image.draft`` makes libjpeg decode at a
    reduced DCT scale (1/2, 1/4, 1/8), never below the size the resize needs.
 3. Decode; truncated or corrupt data is ``decode_error`` (``LOAD_TRUNCATED_IMAGES`` is
@@ -51,7 +56,14 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import ExifTags, Image, ImageOps, JpegImagePlugin, UnidentifiedImageError
+from PIL import (
+    ExifTags,
+    IcoImagePlugin,
+    Image,
+    ImageOps,
+    JpegImagePlugin,
+    UnidentifiedImageError,
+)
 
 from pairforge.config import ImageConfig
 from pairforge.download import jpegdecode
@@ -82,6 +94,7 @@ BACKGROUND_COLOR = (255, 255, 255)  # alpha is composited onto white, as img2dat
 # keep_ratio upscales the short side) for no visible difference.
 UPSCALE_FILTER = Image.Resampling.BICUBIC
 
+_ICO_MAGIC = b"\x00\x00\x01\x00"
 _ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
 _SWAPS_AXES = frozenset({5, 6, 7, 8})  # EXIF orientations that rotate by 90 degrees
 _TRANSPOSES = frozenset(range(2, 9))  # EXIF orientations ImageOps.exif_transpose acts on
@@ -124,6 +137,16 @@ class _Plan:
     downscale: bool
     crop: bool  # center crop to a square of image_size
     pad: bool  # pad to a square of image_size
+
+    def output_pixels(self, size: int) -> int:
+        """Pixels the resize allocates: the resized image (a center crop cuts it after),
+        or the padded canvas; 0 when the decoded image is kept as it is."""
+        if self.resize is None:
+            return 0
+        width, height = self.resize
+        if self.pad:
+            width, height = max(width, size), max(height, size)
+        return width * height
 
     def swapped(self) -> _Plan:
         if self.resize is None:
@@ -190,10 +213,12 @@ class _Decoded:
 
 
 def _decode_checked(body: bytes, cfg: ImageConfig, draft: bool, turbo: bool) -> _Decoded:
+    _check_icon(body, cfg)
     image = _open(body)  # no context manager: closing would discard the decoded pixels
     stored_w, stored_h = image.size
     _check_size(stored_w, stored_h, cfg)
     plan = _plan_resize(stored_w, stored_h, cfg)
+    _check_plan(image, plan, cfg, draft)
     decoded = _decode(image, body, plan.resize if draft else None, turbo)
     # Read after load: PNG's eXIf chunk may follow the pixel data (a JPEG's EXIF is in
     # its header, so the simplejpeg path has it without Pillow decoding).
@@ -252,6 +277,43 @@ def _check_size(width: int, height: int, cfg: ImageConfig) -> None:
     if max(width, height) / min(width, height) > cfg.max_aspect_ratio:
         raise _Reject(Status.BAD_ASPECT,
                       f"{width}x{height} is over max_aspect_ratio={cfg.max_aspect_ratio}")
+
+
+def _check_icon(body: bytes, cfg: ImageConfig) -> None:
+    """Pillow decodes an ICO as it opens it, at the size of the PNG or bitmap it embeds,
+    which its directory (at most 256x256) does not give: that size is checked first."""
+    if not body.startswith(_ICO_MAGIC) or "ICO" not in OPEN_FORMATS:
+        return
+    try:
+        icon = IcoImagePlugin.IcoFile(io.BytesIO(body))  # the directory and headers only
+        width, height = icon.frame(icon.getentryindex(icon.entry[0].dim)).size
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise _Reject(Status.TOO_LARGE, str(err)) from None
+    except Exception:
+        return  # not an icon after all, or a broken one: Image.open decides
+    _check_size(width, height, cfg)
+    _check_decoded(width, height, width * height, cfg)
+
+
+def _check_decoded(width: int, height: int, decoded: int, cfg: ImageConfig) -> None:
+    if decoded > cfg.max_decoded_pixels:
+        raise _Reject(Status.TOO_LARGE, f"{width}x{height} decodes {decoded} pixels at once, "
+                      f"over max_decoded_pixels={cfg.max_decoded_pixels}")
+
+
+def _check_plan(image: Image.Image, plan: _Plan, cfg: ImageConfig, draft: bool) -> None:
+    """The work the plan asks for, against its caps, before any pixel is allocated."""
+    width, height = image.size
+    scale = 1
+    if draft and plan.resize is not None and isinstance(image, JpegImagePlugin.JpegImageFile):
+        scale = _draft_scale((width, height), plan.resize)
+    _check_decoded(width, height, -(-width // scale) * -(-height // scale), cfg)
+    output, cap = plan.output_pixels(cfg.image_size), cfg.output_pixel_cap()
+    if output > cap:
+        out_w, out_h = plan.resize or (width, height)
+        raise _Reject(Status.TOO_LARGE, f"{width}x{height} at {cfg.resize_mode} "
+                      f"{cfg.image_size} makes {out_w}x{out_h} ({output} pixels), over "
+                      f"max_output_pixels={cap}")
 
 
 def _plan_resize(width: int, height: int, cfg: ImageConfig) -> _Plan:

@@ -18,6 +18,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any
 
 import fsspec
@@ -29,6 +30,7 @@ from pairforge.download.fetch import Fetcher, FetchResult
 from pairforge.download.imageproc import ImageFailure, ProcessedImage, process_image
 from pairforge.download.inputs import InputShard, read_shard_rows
 from pairforge.download.lists import Lists
+from pairforge.download.memory_guard import GuardedRows, MemoryGuard
 from pairforge.machine import usable_cores
 from pairforge.records import Status, index_digits, json_safe, make_key
 from pairforge.shards.failures import SHARD_TOP, HostFailures, host_of
@@ -65,8 +67,8 @@ def read_tar_members(sources: list[str], storage_options: dict[str, Any]) -> dic
 
 class ShardDownloader:
     def __init__(self, cfg: PairforgeConfig, fetcher: Fetcher, tar_bytes: dict[str, bytes],
-                 lists: Lists | None = None):
-        self.cfg, self.fetcher, self.lists = cfg, fetcher, lists
+                 lists: Lists | None = None, guard: MemoryGuard | None = None):
+        self.cfg, self.fetcher, self.lists, self.guard = cfg, fetcher, lists, guard
         self.caption_required = cfg.input.caption_col is not None
         self.recaption_first = cfg.process.recaption_first()
         self.tar_bytes = tar_bytes  # images of rows that come from existing tars
@@ -82,6 +84,9 @@ class ShardDownloader:
         for _ in range(wanted - self.image_capacity):
             self.image_slots.release()
         self.image_capacity = max(self.image_capacity, wanted)
+
+    def _guarded(self, key: str):  # noqa: ANN202 - a context manager
+        return self.guard.processing(key) if self.guard else nullcontext()
 
     def _fetch(self, url: str | None, source: str | None) -> FetchResult:
         if source is None:
@@ -105,6 +110,9 @@ class ShardDownloader:
         if caption_error:
             return {**record, "status": Status.CAPTION_INVALID.value,
                     "error": caption_error}, None
+        guarded = self.guard and self.guard.rows.reason(row["key"])
+        if guarded:  # an earlier try of this task was ended on this row's image
+            return {**record, "status": Status.TOO_LARGE.value, "error": guarded}, None
         if source is None and self.lists and self.lists.opted_out(row["url"]):
             return {**record, "status": Status.OPTED_OUT.value, "opt_out_reason": "list",
                     "error": "the URL is on an opt-out list (download.opt_out_lists)"}, None
@@ -113,7 +121,7 @@ class ShardDownloader:
         if fetched.status != Status.OK:
             return {**record, "status": fetched.status.value, "error": fetched.error,
                     "opt_out_reason": fetched.opt_out_reason}, None
-        with self.image_slots:
+        with self.image_slots, self._guarded(row["key"]):
             image = process_image(fetched.body, self.cfg.download.image)
         if isinstance(image, ImageFailure):
             return {**record, "status": image.status.value, "error": image.error}, None
@@ -160,36 +168,22 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, 
     started = time.time()
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(RAW_FOLDER)
-    extras = cfg.input.save_additional_columns
     rows = read_shard_rows(shard, cfg).to_pylist()  # the task reads its own rows
     digits = index_digits(cfg.input.shard_size)
     for i, row in enumerate(rows, start=shard.first_row):
         row["key"] = make_key(shard.shard_id, i, digits)
     gate = make_gate(cfg.download, run_id)
     fetcher = Fetcher(cfg.download, gate=gate)
+    guard = MemoryGuard(cfg.download.max_task_memory_mb,
+                        GuardedRows(out, shard.shard_id, settings))
     worker = ShardDownloader(cfg, fetcher, read_tar_members(
         [r["source"] for r in rows if (r["source"] or "").startswith("tar:")],
-        cfg.input.storage_options), lists)
-    writer = RawShardWriter(out, RAW_FOLDER, shard.shard_id, extras,
+        cfg.input.storage_options), lists, guard)
+    writer = RawShardWriter(out, RAW_FOLDER, shard.shard_id, cfg.input.save_additional_columns,
                             (shard.part, shard.parts) if shard.parts > 1 else None)
-    pending: Counter = Counter()
-    opted_out: Counter = Counter()  # (host, reason)
-    failures = HostFailures()
-    last_report = time.monotonic()
     try:
-        with ThreadPoolExecutor(cfg.download.threads) as pool:
-            # map() keeps input order, so keys are written in order whatever finishes first.
-            for record, image in pool.map(worker.one, rows):
-                writer.add(record, image.data if image else None,
-                           image.format if image else None, sample_meta(record))
-                pending[record["status"]] += 1
-                if record.get("opt_out_reason"):
-                    opted_out[host_of(record.get("url")), record["opt_out_reason"]] += 1
-                if record["status"] != Status.OK:
-                    failures.add_row(host_of(record.get("url")), record["status"])
-                if progress and time.monotonic() - last_report > 0.5:
-                    worker.use_slots(progress(pending) or 1)
-                    pending, last_report = Counter(), time.monotonic()
+        with guard:
+            opted_out, failures = _write_rows(worker, rows, writer, progress)
     except BaseException as exc:
         writer.abort(exc)
         raise
@@ -197,15 +191,42 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, 
         fetcher.close()
         if gate:
             gate.close()
+    stats = writer.close({"stage": "download",
+                          "settings": settings,
+                          "start_time": started, "end_time": time.time(),
+                          "duration_s": round(time.time() - started, 3),
+                          "config": json.loads(cfg.download.model_dump_json()),
+                          "consent": {**_opt_out_counts(opted_out),
+                                      **(gate.stats() if gate else {})},
+                          "politeness": fetcher.hosts.stats(),
+                          "failures_by_host": failures.section(SHARD_TOP),
+                          "peak_resident_mib": guard.peak_mib})
+    if shard.parts == 1:  # a part's shard is complete only once merged (download_stage)
+        guard.rows.remove()
+    return stats
+
+
+def _write_rows(worker: ShardDownloader, rows: list[dict[str, Any]], writer: RawShardWriter,
+                progress: ProgressFn | None) -> tuple[Counter, HostFailures]:
+    """Every row through ``worker`` into ``writer``, in input order; the opted-out rows by
+    (host, reason) and the failures by host."""
+    pending: Counter = Counter()
+    opted_out: Counter = Counter()  # (host, reason)
+    failures = HostFailures()
+    last_report = time.monotonic()
+    with ThreadPoolExecutor(worker.cfg.download.threads) as pool:
+        # map() keeps input order, so keys are written in order whatever finishes first.
+        for record, image in pool.map(worker.one, rows):
+            writer.add(record, image.data if image else None,
+                       image.format if image else None, sample_meta(record))
+            pending[record["status"]] += 1
+            if record.get("opt_out_reason"):
+                opted_out[host_of(record.get("url")), record["opt_out_reason"]] += 1
+            if record["status"] != Status.OK:
+                failures.add_row(host_of(record.get("url")), record["status"])
+            if progress and time.monotonic() - last_report > 0.5:
+                worker.use_slots(progress(pending) or 1)
+                pending, last_report = Counter(), time.monotonic()
     if progress and pending:
         progress(pending)
-    return writer.close({"stage": "download",
-                         "settings": settings,
-                         "start_time": started, "end_time": time.time(),
-                         "duration_s": round(time.time() - started, 3),
-                         "config": json.loads(cfg.download.model_dump_json()),
-                         "consent": {**_opt_out_counts(opted_out),
-                                     **(gate.stats() if gate else {})},
-                         "politeness": fetcher.hosts.stats(),
-                         "failures_by_host": failures.section(SHARD_TOP)})
-
+    return opted_out, failures

@@ -21,6 +21,7 @@ from pairforge.download.inputs import (
     tail_parts,
 )
 from pairforge.download.lists import Lists, load_lists
+from pairforge.download.memory_guard import guard_file
 from pairforge.download.shard import download_shard
 from pairforge.download.split import SPLIT_FOLDER, SplitJob, normalise_table, run_split, write_split
 from pairforge.pipeline.entry import RunOptions, summarise
@@ -174,6 +175,7 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
                 if len(written) < stats["part"][1]:
                     return
                 stats = merge_parts(out, RAW_FOLDER, written)
+                out.remove(RAW_FOLDER, guard_file(stats["shard"]))
             log_shard(out, RAW_FOLDER, stats)
             merged.append(stats["shard"])
 

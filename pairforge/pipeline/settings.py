@@ -39,7 +39,8 @@ DOWNLOAD_SECTIONS = {"input": ("storage_options",),
                                   "per_host_connections", "timeout", "retries", "backoff",
                                   "max_retry_after", "user_agent",
                                   "per_host_requests_per_s", "per_host_burst",
-                                  "host_failures", "host_pause_s", "host_max_pauses")}
+                                  "host_failures", "host_pause_s", "host_max_pauses",
+                                  "max_task_memory_mb")}
 PROCESS_SECTIONS = ("dedup", "process.tasks")  # the dedup decisions; the writer's task labels
 # The version of what each stage writes for given settings. Bump it with any change that
 # makes a stage write other bytes under the same settings (tests/test_golden.py fails on
@@ -50,7 +51,8 @@ PROCESS_SECTIONS = ("dedup", "process.tasks")  # the dedup decisions; the writer
 # process 3: an attribute adjective left without its noun is the person (issue 20)
 # download 5: the colour_grid column (a raw shard without it cannot take the colour check)
 # download 6: the colour grid is 16x16 of the whole image (the structure check reads it)
-OUTPUT_VERSIONS = {"download": 6, "process": 3}
+# download 7: a resize past max_output_pixels (aspect over 64 at keep_ratio) is too_large
+OUTPUT_VERSIONS = {"download": 7, "process": 3}
 # Settings added after builds were made, with the value that leaves what an earlier
 # pairforge wrote unchanged: recorded only when set otherwise, so that an upgrade does not
 # mark every complete shard as made under other settings (and the golden build stays).
@@ -71,6 +73,9 @@ ADDED_SETTINGS: dict[str, Any] = {
     # the product token of download.user_agent (the header itself, with its version and
     # contact URL, is not a setting): robots.txt groups and X-Robots-Tag match by it
     "download.agent_token": "pairforge",
+    # issue 46: the plan's caps (download 7 redoes the shards written before them)
+    "download.image.max_decoded_pixels": 33_554_432,
+    "download.image.max_output_pixels": None,
 }
 _SAMPLE_BYTES = 1 << 20  # a model file is fingerprinted by its size and its ends
 

@@ -107,6 +107,8 @@ def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]]) -> dic
     stats = {**{k: v for k, v in parts[0].items() if k != "part"},
              "start_time": start, "end_time": end, "duration_s": round(end - start, 3),
              "parts": count, **row_counts(table["status"].to_pylist())}
+    if parts[0].get("peak_resident_mib") is not None:  # stage 1's memory guard's samples
+        stats["peak_resident_mib"] = max(p["peak_resident_mib"] or 0 for p in parts)
     if "consent" in parts[0]:  # stage 1's counts per reason and host: every part's
         from pairforge.download.consent import merge_stats
 
