@@ -1,7 +1,7 @@
 """The layer rule of docs/ARCHITECTURE.md, checked on every module's imports.
 
-Layers, lowest first: the ground floor (config, records, stage, images, retry, tables,
-machine); the domain packages (download, filters, tokenizers, recaption, shards, train,
+Layers, lowest first: the ground floor (config, records, stage, images, batching, retry,
+tables, machine); the domain packages (download, filters, tokenizers, recaption, shards, train,
 sample, scenes); pipeline and serve (Ray orchestration, the service on Ray Serve); cli
 (verbs). A module may import its own layer and those below it, never one above: a domain
 package that needs the pipeline has its logic in the wrong place. Only pipeline/ and
@@ -15,7 +15,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pairforge"
-GROUND = {"config", "records", "stage", "images", "retry", "tables", "machine", "__init__"}
+GROUND = {"config", "records", "stage", "images", "batching", "retry", "tables", "machine",
+          "__init__"}
 DOMAIN = {"download", "filters", "tokenizers", "recaption", "shards", "train", "sample", "scenes"}
 LAYERS = {"ground": 0, "domain": 1, "pipeline": 2, "cli": 3}
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import golden
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
@@ -619,3 +620,43 @@ def test_the_layout_rides_on_each_shards_first_row_of_a_batch():
     rows = pa.table({"shard": [3, 3, 4, 4, 4, 5]})
     assert _shard_starts(rows) == [True, False, True, False, False, True]
     assert _shard_starts(pa.table({"key": ["a", "b"]})) == [True, False]
+
+
+class _NoDuplicates:
+    def of_shard(self, shard_id: int) -> set[str]:
+        return set()
+
+
+def _cut(table: pa.Table, sizes: list[int]) -> list[pa.Table]:
+    """``table`` in consecutive slices of ``sizes`` (the last slice takes the rest)."""
+    slices, start = [], 0
+    for size in sizes:
+        slices.append(table.slice(start, size))
+        start += size
+    return [*slices, table.slice(start)]
+
+
+def test_model_outputs_do_not_depend_on_how_the_batches_are_cut(coco_raw, tiny_clip, tiny_vq):
+    """A row's CLIP score and embedding and its VQ codes, to the bit, whether the step
+    gets the shards' rows whole or cut into batches of 1, 2, 3 and 5 rows (a resume, an
+    append or another pool size cuts Ray Data's batches elsewhere; with the tiny CLIP a
+    forward of 1 row moves the last bits): every forward runs on batch_size rows
+    (pairforge/batching.py)."""
+    from pairforge.filters.clip import ClipStep
+    from pairforge.pipeline.stream import load_rows
+    from pairforge.tokenizers.step import TokenizeStep
+
+    cfg = _config(coco_raw, tiny_clip, mode="threshold", threshold=-1.0, batch_size=4)
+    cfg["process"]["tokenize"] = {"enabled": True, "batch_size": 4,
+                                  "image": {"path_or_id": tiny_vq}}
+    cfg = parse_config(cfg)
+    rows = load_rows(pa.table({"shard": [0, 1, 2]}), str(coco_raw), {}, _NoDuplicates())
+    rows = rows.append_column("train_caption", rows["caption"])
+    for step, columns in ((ClipStep(cfg), ("clip_score", "clip_embedding")),
+                          (TokenizeStep(cfg), ("image_tokens",))):
+        whole = step(rows)
+        for sizes in ([1, 2, 3, 5, 1], [3, 3, 3, 3, 3, 3], [5, 1, 1, 7]):
+            cut = pa.concat_tables([step(part) for part in _cut(rows, sizes)])
+            for column in columns:
+                assert cut[column].to_pylist() == whole[column].to_pylist(), (step.name,
+                                                                               column, sizes)

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pyarrow as pa
 
+from pairforge.batching import run_fixed
 from pairforge.config import ClassifierConfig, ModelPoolConfig, PairforgeConfig
 from pairforge.images import decode_rgb, model_device, model_dtype
 from pairforge.records import Status, classifier_columns
@@ -181,13 +182,15 @@ class TransformersClassifier:
         config = self.model.config
         self.index = label_index(config.id2label, entry.label, entry.model)
         self.multi_label = config.problem_type == "multi_label_classification"
+        self.rows = entry.batch_size  # every forward's shape (pairforge/batching.py)
 
     def __call__(self, images: list[Any]) -> np.ndarray:
         import torch
 
         pixels = self.processor(images=images, return_tensors="pt")["pixel_values"]
         with torch.inference_mode():
-            logits = self.model(pixel_values=pixels.to(self.device, self.model.dtype)).logits
+            logits = run_fixed(lambda p: self.model(pixel_values=p).logits,
+                               pixels.to(self.device, self.model.dtype), self.rows)
             logits = logits.float()
             probs = logits.sigmoid() if self.multi_label else logits.softmax(dim=-1)
         return probs[:, self.index].cpu().numpy()

@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image
 
+from pairforge.batching import run_fixed
 from pairforge.config import ClipConfig, ModelPoolConfig, PairforgeConfig
 from pairforge.filters.selection import kth_largest
 from pairforge.images import decode_rgb, model_device
@@ -55,6 +56,7 @@ class ClipScorer:
         self.model.eval()
         self.tokenizer = open_clip.get_tokenizer(cfg.model)
         self.device = device
+        self.rows = cfg.batch_size  # every forward's shape (pairforge/batching.py)
         self.name = f"{cfg.model}/{cfg.pretrained or 'random-init'}"
         # bf16 on GPUs; fp32 on CPU, where bf16 is about ten times slower.
         self.autocast = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else None
@@ -64,10 +66,10 @@ class ClipScorer:
 
         with torch.inference_mode():
             if self.autocast is None:
-                out = fn(tensor.to(self.device))
+                out = run_fixed(fn, tensor.to(self.device), self.rows)
             else:
                 with self.autocast:
-                    out = fn(tensor.to(self.device))
+                    out = run_fixed(fn, tensor.to(self.device), self.rows)
             out = out.float()
             return torch.nn.functional.normalize(out, dim=-1).cpu().numpy()
 

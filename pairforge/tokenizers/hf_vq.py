@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from pairforge.batching import fixed_chunks
 from pairforge.tokenizers.base import (
     ImageTokenizer,
     fingerprint_digest,
@@ -256,8 +257,12 @@ class HFVQTokenizer(ImageTokenizer):
         grids: list[np.ndarray | None] = [None] * len(images)
         for indices in self._chunks([tuple(p.shape) for p in pixels]):
             batch = torch.stack([pixels[i] for i in indices]).to(self.device, self.dtype)
-            for i, grid in zip(indices, self._encode_batch(batch), strict=True):
-                grids[i] = grid
+            # one shape for every forward, so a code never depends on the batch's cut
+            for (chunk, real) in fixed_chunks(batch, self.batch_size):
+                for i, grid in zip(indices[:real], self._encode_batch(chunk)[:real],
+                                   strict=True):
+                    grids[i] = grid
+                indices = indices[real:]
         return grids  # type: ignore[return-value]
 
     def _encode_batch(self, batch: torch.Tensor) -> list[np.ndarray]:

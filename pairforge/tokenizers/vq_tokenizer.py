@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from pairforge.batching import run_fixed
 from pairforge.tokenizers import vqvae
 from pairforge.tokenizers.base import (
     ImageTokenizer,
@@ -74,8 +75,9 @@ class PairforgeVQTokenizer(ImageTokenizer):
         grids: list[np.ndarray] = []  # an empty batch falls through to []
         for start in range(0, len(images), self.batch_size):
             pixels = self.preprocess(images[start:start + self.batch_size]).to(self.device)
-            codes = self.model.encode(pixels).to(torch.int32).cpu().numpy()
-            grids.extend(codes)
+            # one shape for every forward, so a code never depends on the batch's cut
+            codes = run_fixed(self.model.encode, pixels, self.batch_size)
+            grids.extend(codes.to(torch.int32).cpu().numpy())
         return grids
 
     @torch.inference_mode()

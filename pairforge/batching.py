@@ -1,0 +1,50 @@
+"""Fixed batch shapes for model forwards: a row's result must not depend on its neighbours.
+
+A model's float results depend on the shape of the batch a row rides in: the matrix
+kernels choose their blocking, and how they split rows among threads, by the number of
+rows. CLIP ViT-B/32 on this project's CPU gives a row's image embedding bit for bit at 4,
+8, 16 or 32 rows, wherever the row sits and whatever rides beside it, but 2.6e-6 off at 1
+to 3 rows, and at 5, 7 or 9 rows with two threads. Stage 3 meets rows in batches that Ray
+Data cuts where its blocks end: a resume, an append or another pool size cuts them
+elsewhere, and a score at a threshold, or at the edge of a ``top_fraction``, could flip
+between two builds of the same data. So every model forward runs on exactly ``rows`` rows
+(the step's ``batch_size``): the batch in chunks of that size, the last one padded with
+copies of its last row, whose outputs are dropped. The padding costs at most one partial
+chunk per Ray Data batch. A row's bytes then depend on ``batch_size``, never on how the
+build was cut (tests/test_batch_invariance.py).
+
+Ground floor: torch is imported by the callers, which pass tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def fixed_chunks(batch: torch.Tensor, rows: int) -> list[tuple[torch.Tensor, int]]:
+    """``batch`` cut into chunks of exactly ``rows`` rows, each with how many are real."""
+    import torch
+
+    chunks = []
+    for start in range(0, batch.shape[0], rows):
+        chunk = batch[start:start + rows]
+        real = chunk.shape[0]
+        if real < rows:
+            chunk = torch.cat([chunk, chunk[-1:].expand(rows - real, *chunk.shape[1:])])
+        chunks.append((chunk, real))
+    return chunks
+
+
+def run_fixed(fn: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor,
+              rows: int) -> torch.Tensor:
+    """``fn(batch)`` computed on chunks of exactly ``rows`` rows (``fn`` maps a batch to
+    one output row per input row); ``fn(batch)`` itself for an empty batch."""
+    import torch
+
+    if batch.shape[0] == 0:
+        return fn(batch)
+    return torch.cat([fn(chunk)[:real] for chunk, real in fixed_chunks(batch, rows)])
