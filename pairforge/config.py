@@ -658,14 +658,52 @@ class ServeConfig(Strict):
                                   "(decompression bombs): 413 past it")
     timeout_s: float = Field(30.0, gt=0, description="a request's whole deadline (504 past "
                              "it)")
-    url_timeout_s: float = Field(5.0, gt=0, description="deadline of one fetch of a JSON "
-                                 "{\"url\"} (download's guarded fetcher; download.allow_"
-                                 "addresses applies)")
+    url_timeout_s: float = Field(5.0, gt=0, description="deadline of a JSON {\"url\"} "
+                                 "fetch, the whole of it (download's guarded fetcher with "
+                                 "serve.allow_addresses); a failed fetch is answered no "
+                                 "sooner, so its timing does not tell open ports from closed")
+    url_threads: int = Field(4, gt=0, description="threads fetching URLs, per ingress "
+                             "replica: their own pool, so slow URLs cannot hold up the "
+                             "decoding of uploads; a fetch waits past it")
+    decode_threads: int = Field(4, gt=0, description="threads parsing bodies and decoding "
+                                "images, per ingress replica")
+    allow_addresses: list[str] = Field(
+        default_factory=list, description="CIDRs the URL fetch may reach that the address "
+        "guard refuses otherwise (loopback, private, ...); the service's own, not "
+        "download.allow_addresses")
+    max_multipart_parts: int = Field(8, gt=0, description="parts a multipart body may have: "
+                                     "400 past it, before the rest is parsed")
+    http_request_timeout_s: int = Field(10, gt=0, description="HAProxy's timeout "
+                                        "http-request: a request's headers, and its body "
+                                        "up to HAProxy's 16 KB buffer, must arrive within "
+                                        "it (408 past it); the ingress also gives up "
+                                        "reading a body after it")
+    client_timeout_s: int = Field(30, gt=0, description="HAProxy's timeout client: how "
+                                  "long a client may stay silent mid-request")
+    max_connections: int = Field(4096, gt=0, description="HAProxy's connection cap")
+    max_connections_per_source: int = Field(
+        256, gt=0, description="open connections one client address may hold; more are "
+        "closed at once (so one client cannot take the connection cap); raise it behind a "
+        "load balancer, whose clients all have its address")
+    stats_listeners: bool = Field(False, description="HAProxy's stats page and Prometheus "
+                                  "exporter, on serve.host at free ports (off: neither "
+                                  "listens)")
+    drain_s: float = Field(10.0, ge=0, description="on SIGTERM: new connections are "
+                           "refused and requests in flight get this long to finish")
     token_env: str | None = Field(None, description="environment variable holding a bearer "
                                   "token every caption request must carry (null: none)")
     access_log: bool = Field(True, description="Serve's access log line per request in the "
                              "replica's log file (off: a little less work per request)")
     cache: ServeCacheConfig = Field(default_factory=ServeCacheConfig)
+
+    @field_validator("allow_addresses")
+    @classmethod
+    def _valid_networks(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for net in value:
+            ipaddress.ip_network(net, strict=False)
+        return value
 
     @model_validator(mode="after")
     def _autoscale_pair(self) -> ServeConfig:

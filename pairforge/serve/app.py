@@ -3,9 +3,11 @@
 Two deployments. ``CaptionIngress`` is the HTTP side (FastAPI, which also serves the
 OpenAPI page at ``/docs`` and ``/openapi.json``): it checks a request (token, body cap,
 deadline), turns it into a decoded ``Upload`` (serve/inputs.py: the forms, the guarded
-URL fetch, stage 1's image pass) on its threads, and groups uploads in Serve's
-``@serve.batch`` queue, which hands over whatever arrived within ``batch_wait_timeout_s``,
-up to ``max_batch_size`` (opportunistic batching: a lone request is never held longer).
+URL fetch, stage 1's image pass) on its threads (one pool parses bodies and decodes
+images, another fetches URLs, so slow URLs cannot hold up uploads), and groups uploads
+in Serve's ``@serve.batch`` queue, which hands over whatever arrived within
+``batch_wait_timeout_s``, up to ``max_batch_size`` (opportunistic batching: a lone
+request is never held longer).
 Each batch goes in one handle call to ``CaptionModel`` (serve/model.py), which answers
 from its cache or its captioner. The split keeps the request path (HTTP, PNG/JPEG
 decoding, hashing) out of the model's process, whose interpreter a small captioner's
@@ -39,11 +41,14 @@ from pairforge.config import ConfigError, PairforgeConfig
 from pairforge.serve.captioning import Answer
 from pairforge.serve.inputs import (
     FORMS,
+    UNREACHABLE,
     RequestError,
     Upload,
     decode_upload,
     fetch_image,
     parse_body,
+    raise_pillow_cap,
+    unreachable,
     url_fetcher,
 )
 from pairforge.serve.metrics import ServeMetrics
@@ -124,11 +129,16 @@ class CaptionIngress:
         self.model, self.cfg, self.token_sha256 = model, cfg, token_sha256
         self.model_name = cfg.process.recaption.model
         self.metrics = ServeMetrics()
+        s = cfg.serve
         self.fetcher = url_fetcher(cfg)
-        self.io = ThreadPoolExecutor(4, thread_name_prefix="pairforge-io")  # fetch, decode
+        # two pools: slow URLs fill their own (bounded) pool and never delay an upload's
+        # parsing and decoding (one shared pool of 4: 12 slow URLs held an upload 14.6 s)
+        self.url_pool = ThreadPoolExecutor(s.url_threads, thread_name_prefix="pairforge-url")
+        self.decode_pool = ThreadPoolExecutor(s.decode_threads,
+                                              thread_name_prefix="pairforge-decode")
+        raise_pillow_cap(s.max_image_pixels)
         # once true, stays: a model replica answers only once its models are loaded
         self.model_ready = False
-        s = cfg.serve
         self.batch = serve.batch(max_batch_size=s.max_batch_size,
                                  batch_wait_timeout_s=s.batch_wait_timeout_s,
                                  # closed batches go on: the model merges those that
@@ -188,8 +198,9 @@ class CaptionIngress:
                                                  f"{type(err).__name__}: {err}"))
         finally:
             self.metrics.in_flight.dec()
-        self.metrics.requests.labels(str(response.status_code)).inc()
-        self.metrics.latency.observe(time.perf_counter() - started)
+        code = str(response.status_code)
+        self.metrics.requests.labels(code).inc()
+        self.metrics.latency.labels(code).observe(time.perf_counter() - started)
         return response
 
     def _refuse(self, err: RequestError) -> JSONResponse:
@@ -207,13 +218,38 @@ class CaptionIngress:
         problem = await self._probe_model()
         if problem is not None:
             raise RequestError(503, "not_ready", problem, {"Retry-After": str(RETRY_AFTER_S)})
-        body = await self._read_body(request)
+        s = self.cfg.serve
+        try:
+            body = await asyncio.wait_for(self._read_body(request), s.http_request_timeout_s)
+        except TimeoutError:
+            raise RequestError(408, "body_timeout", "the body did not arrive within "
+                               f"serve.http_request_timeout_s={s.http_request_timeout_s}") \
+                from None
         loop = asyncio.get_running_loop()
-        source = parse_body(request.headers.get("content-type"), body)
+        source = await loop.run_in_executor(self.decode_pool, parse_body, request.headers.get(
+            "content-type"), body, s.max_multipart_parts)
         if isinstance(source, str):
-            source = await loop.run_in_executor(self.io, fetch_image, self.fetcher, source)
-        upload = await loop.run_in_executor(self.io, decode_upload, source, self.cfg)
+            source = await self._fetch(source)
+        upload = await loop.run_in_executor(self.decode_pool, decode_upload, source, self.cfg)
         return await self.batch(upload)
+
+    async def _fetch(self, url: str) -> bytes:
+        """The image at ``url``, fetched on the URL pool within ``serve.url_timeout_s``
+        (the whole fetch, the wait for a thread included). A failure is answered no
+        sooner than the deadline, so neither its kind nor its timing tells a refused
+        connection (a closed port) from one that does not answer."""
+        deadline = self.cfg.serve.url_timeout_s
+        started = time.monotonic()
+        fetch = asyncio.get_running_loop().run_in_executor(self.url_pool, fetch_image,
+                                                           self.fetcher, url)
+        try:
+            return await asyncio.wait_for(fetch, deadline)
+        except TimeoutError:
+            raise unreachable() from None
+        except RequestError as err:
+            if err.kind == UNREACHABLE:
+                await asyncio.sleep(max(0.0, deadline - (time.monotonic() - started)))
+            raise
 
     def _authorize(self, request: Request) -> None:
         if self.token_sha256 is None:

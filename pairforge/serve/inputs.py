@@ -3,11 +3,12 @@
 ``POST /v1/captions`` takes the image as the raw body (an ``image/*`` Content-Type), as
 the first file part of a ``multipart/form-data`` body, or as JSON ``{"image_base64"}`` or
 ``{"url"}``. A URL goes through stage 1's guarded fetcher (download/fetch.py: the address
-guard, the body cap, a deadline per request); the bytes, wherever they came from, go
-through stage 1's image pass (download/imageproc.py: format check, decompression-bomb
-cap, the cache's hashes, the download section's resize and encode), so an upload reaches
-the captioner as the same pixels a build would caption for the same image. Every refusal
-is a ``RequestError``: an HTTP status, a short machine-readable kind and a sentence.
+guard with ``serve.allow_addresses``, the body cap, a deadline per request); the bytes,
+wherever they came from, go through stage 1's image pass (download/imageproc.py: format
+check, decompression-bomb cap, the cache's hashes, the download section's resize and
+encode), so an upload reaches the captioner as the same pixels a build would caption for
+the same image. Every refusal is a ``RequestError``: an HTTP status, a short
+machine-readable kind and a sentence.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from email.parser import BytesParser
-from email.policy import HTTP
+import re
+from typing import Any
+
+from PIL import Image
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
 
 from pairforge.config import DownloadConfig, PairforgeConfig
 from pairforge.download.fetch import Fetcher
@@ -46,13 +51,15 @@ def media_type(content_type: str | None) -> str:
     return (content_type or "").split(";", 1)[0].strip().lower()
 
 
-def parse_body(content_type: str | None, body: bytes) -> bytes | str:
-    """The image bytes in ``body``, or the URL a JSON body names."""
+def parse_body(content_type: str | None, body: bytes, max_parts: int) -> bytes | str:
+    """The image bytes in ``body``, or the URL a JSON body names. Runs on the ingress's
+    decode threads: parsing a large body must not hold the event loop (a 6.6 MB multipart
+    body of tiny parts took ``email``'s parser 27 s, and every request waited)."""
     kind = media_type(content_type)
     if kind.startswith("image/") or kind == "application/octet-stream":
         return _non_empty(body)
     if kind == "multipart/form-data":
-        return _multipart_file(content_type or "", body)
+        return _multipart_file(content_type or "", body, max_parts)
     if kind == "application/json":
         return _json_image(body)
     raise RequestError(415, "unsupported_media_type",
@@ -65,18 +72,81 @@ def _non_empty(data: bytes) -> bytes:
     return data
 
 
-def _multipart_file(content_type: str, body: bytes) -> bytes:
-    """The first part that carries a file (or is named ``image``/``file``)."""
-    message = BytesParser(policy=HTTP).parsebytes(
-        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body)
-    if not message.is_multipart() or message.defects:
-        raise RequestError(400, "malformed_multipart",
-                           "the multipart body could not be parsed (boundary missing or "
-                           "wrong)")
-    for part in message.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        if part.get_filename() is not None or name in ("image", "file"):
-            return _non_empty(part.get_payload(decode=True) or b"")
+def _malformed_multipart() -> RequestError:
+    return RequestError(400, "malformed_multipart", "the multipart body could not be parsed "
+                        "(boundary missing or wrong)")
+_CHUNK = 64 * 1024  # what the parser is fed at a time: it stops at the image part's end
+
+
+class _FilePart:
+    """python-multipart's callbacks: the first part that carries a file (or is named
+    ``image``/``file``), refusing a body of more than ``max_parts`` parts as it goes."""
+
+    def __init__(self, max_parts: int) -> None:
+        self.max_parts, self.parts = max_parts, 0
+        self.header, self.headers = b"", {}  # type: tuple[bytes, dict[bytes, bytes]]
+        self.field, self.value = bytearray(), bytearray()
+        self.data: bytearray | None = None  # the file part's bytes, once it is the one
+        self.done = False
+
+    def callbacks(self) -> dict[str, Any]:
+        return {"on_part_begin": self.begin, "on_header_field": self.header_field,
+                "on_header_value": self.header_value, "on_header_end": self.header_end,
+                "on_headers_finished": self.headers_finished,
+                "on_part_data": self.part_data, "on_part_end": self.part_end}
+
+    def begin(self) -> None:
+        if self.done:  # the rest of the chunk that held the file part's end
+            return
+        self.parts += 1
+        if self.parts > self.max_parts:
+            raise RequestError(400, "too_many_parts", "the multipart body has more than "
+                               f"serve.max_multipart_parts={self.max_parts} parts")
+        self.headers = {}
+
+    def header_field(self, data: bytes, start: int, end: int) -> None:
+        self.field += data[start:end]
+
+    def header_value(self, data: bytes, start: int, end: int) -> None:
+        self.value += data[start:end]
+
+    def header_end(self) -> None:
+        self.headers[bytes(self.field).lower()] = bytes(self.value)
+        self.field, self.value = bytearray(), bytearray()
+
+    def headers_finished(self) -> None:
+        if self.done:
+            return
+        _, params = parse_options_header(self.headers.get(b"content-disposition", b""))
+        if b"filename" in params or params.get(b"name") in (b"image", b"file"):
+            self.data = bytearray()
+
+    def part_data(self, data: bytes, start: int, end: int) -> None:
+        if self.data is not None and not self.done:
+            self.data += data[start:end]
+
+    def part_end(self) -> None:
+        self.done = self.data is not None
+
+
+def _multipart_file(content_type: str, body: bytes, max_parts: int) -> bytes:
+    """The first file part of a multipart body, by python-multipart's streaming parser,
+    fed a chunk at a time until that part ends (the parts after it are never parsed)."""
+    _, params = parse_options_header(content_type)
+    if not params.get(b"boundary"):
+        raise _malformed_multipart()
+    found = _FilePart(max_parts)
+    parser = MultipartParser(params[b"boundary"], found.callbacks())
+    try:
+        for at in range(0, len(body), _CHUNK):
+            parser.write(body[at:at + _CHUNK])
+            if found.done:
+                return _non_empty(bytes(found.data or b""))
+        parser.finalize()
+    except MultipartParseError:
+        raise _malformed_multipart() from None
+    if found.parts == 0:
+        raise _malformed_multipart()
     raise RequestError(400, "no_image_part",
                        "the multipart body has no file part (name it image or file)")
 
@@ -86,6 +156,9 @@ def _json_image(body: bytes) -> bytes | str:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as err:
         raise RequestError(400, "malformed_json", f"the body is not valid JSON ({err})") \
+            from None
+    except RecursionError:  # nested past the decoder's depth: a 400, not a 500
+        raise RequestError(400, "malformed_json", "the JSON body is nested too deeply") \
             from None
     if not isinstance(data, dict) or not ({"url", "image_base64"} & data.keys()):
         raise RequestError(400, "malformed_json",
@@ -102,17 +175,29 @@ def _json_image(body: bytes) -> bytes | str:
 
 
 def url_fetcher(cfg: PairforgeConfig) -> Fetcher:
-    """Stage 1's guarded fetcher with the service's deadline and body cap; never file:
-    URLs (a caller must not make the service read its own disk), no retries (a
+    """Stage 1's guarded fetcher with the service's deadline, body cap and address
+    allow-list (``serve.allow_addresses``, empty by default: the service never reaches
+    loopback or private addresses because a build's config lets stage 1 do so); never
+    file: URLs (a caller must not make the service read its own disk), no retries (a
     client waits)."""
     download: DownloadConfig = cfg.download.model_copy(update={
         "timeout": cfg.serve.url_timeout_s, "retries": 0, "allow_file_scheme": False,
-        "max_bytes": cfg.serve.max_body_bytes, "respect_robots": False})
+        "max_bytes": cfg.serve.max_body_bytes, "respect_robots": False,
+        "allow_addresses": list(cfg.serve.allow_addresses)})
     return Fetcher(download)
 
 
-# fetch statuses that get their own HTTP status; the rest are 422
-_FETCH_HTTP = {Status.BLOCKED_ADDRESS: 403, Status.TOO_LARGE: 413, Status.INVALID_URL: 400}
+# fetch statuses that get their own HTTP status and say why; every other failure (refused,
+# reset, timed out, an error status, a DNS failure) is one kind with one sentence, so a
+# caller cannot tell an open port from a closed one by the answer
+_FETCH_HTTP = {Status.BLOCKED_ADDRESS: 403, Status.TOO_LARGE: 413, Status.INVALID_URL: 400,
+               Status.TOO_MANY_REDIRECTS: 422}
+UNREACHABLE = "url_unreachable"
+
+
+def unreachable() -> RequestError:
+    return RequestError(422, UNREACHABLE, "the URL could not be fetched (no answer, a "
+                        "refused or failed connection, or an error status)")
 
 
 def fetch_image(fetcher: Fetcher, url: str) -> bytes:
@@ -120,8 +205,23 @@ def fetch_image(fetcher: Fetcher, url: str) -> bytes:
     result = fetcher.fetch(url)
     if result.status == Status.OK and result.body is not None:
         return _non_empty(result.body)
-    raise RequestError(_FETCH_HTTP.get(result.status, 422), f"url_{result.status.value}",
+    if result.status not in _FETCH_HTTP:
+        raise unreachable()
+    raise RequestError(_FETCH_HTTP[result.status], f"url_{result.status.value}",
                        f"fetching the URL failed: {result.error}")
+
+
+def raise_pillow_cap(max_pixels: int) -> None:
+    """Pillow's own decompression-bomb cap set to ``serve.max_image_pixels``, so the
+    service's cap is the one that applies (Pillow refuses past 2x its ``MAX_IMAGE_PIXELS``,
+    179 M pixels by default, before the image pass checks ours: a higher
+    ``serve.max_image_pixels`` was silently capped at Pillow's). Pillow's refusal stays, at
+    twice ours, as a backstop (``decode_upload`` words it with ours). Called in the ingress
+    replica's process, which decodes nothing else."""
+    Image.MAX_IMAGE_PIXELS = max_pixels
+
+
+_PILLOW_BOMB = re.compile(r"Image size \((\d+) pixels\) exceeds limit")
 
 
 # image-pass statuses: a pixel bomb is "too large" (413); the rest cannot be captioned (422)
@@ -136,7 +236,10 @@ def decode_upload(data: bytes, cfg: PairforgeConfig) -> Upload:
     image_cfg = cfg.download.image.model_copy(update={"max_pixels": cfg.serve.max_image_pixels})
     pixels = caption_pixels(data, image_cfg, with_phash=cfg.serve.cache.phash_distance > 0)
     if isinstance(pixels, ImageFailure):
-        status = pixels.status
+        status, error = pixels.status, pixels.error
+        bomb = _PILLOW_BOMB.search(error)
+        if bomb:  # Pillow's backstop (raise_pillow_cap): the cap it names is not ours
+            error = f"{bomb.group(1)} pixels is over max_pixels={cfg.serve.max_image_pixels}"
         raise RequestError(_IMAGE_HTTP.get(status, 422), _IMAGE_KIND.get(status, status.value),
-                           pixels.error)
+                           error)
     return pixels

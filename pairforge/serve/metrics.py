@@ -27,8 +27,10 @@ class ServeMetrics:
         r = self.registry
         self.requests = Counter("pairforge_serve_requests", "caption requests answered, by "
                                 "HTTP status", ["code"], registry=r)
+        # by status: 30-s 504s and instant 4xx would otherwise drown the successes' latency
         self.latency = Histogram("pairforge_serve_request_seconds", "caption request latency "
-                                 "(receipt to answer)", buckets=LATENCY_BUCKETS, registry=r)
+                                 "(receipt to answer), by HTTP status", ["code"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("pairforge_serve_batch_size", "uploads per model call",
                                     buckets=BATCH_BUCKETS, registry=r)
         self.cache = Counter("pairforge_serve_cache", "caption answers by cache tier "

@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from pairforge.config import ConfigError, PairforgeConfig
-from pairforge.pipeline.ray_runtime import init_ray
+from pairforge.pipeline.ray_runtime import configure_front, haproxy_admin_sockets, init_ray
 from pairforge.serve.app import APP_NAME, build_app, failed_deployments
+from pairforge.serve.drain import drain
+
+log = logging.getLogger("pairforge.serve")
+# serve.drain_s of the service this process started last: what a stop waits for
+_DRAIN_S: list[float] = []
+
+
+@contextmanager
+def _without_env(name: str | None) -> Iterator[None]:
+    """``name`` out of the environment while Ray starts its processes, which inherit it:
+    the token's digest is all the replicas need (``bearer_token``), and a token in every
+    worker's environment could be read by anything that can read /proc there."""
+    value = os.environ.pop(name, None) if name else None
+    try:
+        yield
+    finally:
+        if name and value is not None:
+            os.environ[name] = value
 
 
 def start_service(cfg: PairforgeConfig, host: str | None = None, port: int | None = None,
@@ -18,8 +40,11 @@ def start_service(cfg: PairforgeConfig, host: str | None = None, port: int | Non
 
     host = host or cfg.serve.host
     port = cfg.serve.port if port is None else port
-    app = build_app(cfg)  # config errors surface before Ray starts
-    init_ray(cfg.ray)
+    app = build_app(cfg)  # config errors surface before Ray starts; reads the token
+    with _without_env(cfg.serve.token_env):
+        init_ray(cfg.ray)
+    configure_front(cfg.serve.model_copy(update={"host": host}))
+    _DRAIN_S[:] = [cfg.serve.drain_s]
     serve.start(http_options={"host": host, "port": port})
     try:
         serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
@@ -35,7 +60,10 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def serve_until_interrupted() -> None:
     """Keep the driver (and with a local Ray, the service) alive until Ctrl-C or SIGTERM
-    (a process manager's stop), then take the application down."""
+    (a process manager's stop), then drain and take the application down: HAProxy stops
+    taking connections, the requests in flight get ``serve.drain_s`` to finish (a second
+    signal cuts that short), and the process exits 0. With HAProxy off or on a cluster's
+    Ray there is no local HAProxy to drain: Serve's own shutdown."""
     from ray import serve
 
     signal.signal(signal.SIGTERM, _interrupt)
@@ -45,4 +73,9 @@ def serve_until_interrupted() -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        try:
+            took = drain(haproxy_admin_sockets(), _DRAIN_S[0] if _DRAIN_S else 0.0)
+            log.info("drained in %.1f s", took)
+        except KeyboardInterrupt:
+            pass
         serve.shutdown()
