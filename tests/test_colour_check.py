@@ -6,9 +6,11 @@ than ``dedup.max_structure_distance`` deviations in a cell of the 16x16 grid."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 from dataclasses import replace
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from conftest import COCO_IMAGES
@@ -16,8 +18,17 @@ from PIL import Image, ImageEnhance, ImageOps
 
 from pairforge.config import DedupConfig, ImageConfig
 from pairforge.download.imageproc import ProcessedImage, process_image
+from pairforge.filters import grids
 from pairforge.filters.dedup import INDEX_SCHEMA, ROWS_SCHEMA, find_duplicates
-from pairforge.filters.grids import GRID_BYTES, GridCheck, colour_distance, colour_grid, legacy_form
+from pairforge.filters.grids import (
+    FRAMES,
+    GRID_BYTES,
+    GRID_SIDE,
+    GridCheck,
+    colour_distance,
+    colour_grid,
+    legacy_form,
+)
 from pairforge.scenes.world import COLOURS, render, scenes
 
 CHECKS = GridCheck.of(DedupConfig())  # the defaults: colour, structure, mirrors count
@@ -195,3 +206,43 @@ def test_scenes_that_differ_in_one_shape_are_kept_and_copies_still_merge() -> No
         kept = checked.get(f"{i:03d}or", {}).get("kept_key", f"{i:03d}or")
         for copy in ("do", "tw"):
             assert checked.get(f"{i:03d}{copy}", {}).get("kept_key", f"{i:03d}{copy}") == kept
+
+
+def _cover_one(length: int, factor: int, fraction: float) -> np.ndarray:
+    """The grid's weights for one framing, as colour_grid made them before they were made
+    for every framing at once and kept per size (2026-12-06)."""
+    first = np.arange(-(-length // factor)) * factor
+    last = np.minimum(first + factor, length)
+    step = length * fraction / GRID_SIDE
+    lo = length * (1 - fraction) / 2 + step * np.arange(GRID_SIDE)[:, None]
+    overlap = np.clip(np.minimum(lo + step, last) - np.maximum(lo, first), 0, None)
+    return (overlap / overlap.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.mark.parametrize("length", [1, 7, 63, 64, 65, 127, 256, 341, 480, 513, 1023, 2048,
+                                    4097, 33000])
+def test_grid_weights_are_those_made_one_framing_at_a_time(length: int) -> None:
+    """The grids' bytes follow from these float weights: every framing at once (and from
+    the cache) must give them bit for bit."""
+    for factor in sorted({1, 2, 3, max(1, length // 64), max(1, length // 100)}):
+        weights = grids._covers(length, factor)
+        assert not weights.flags.writeable  # shared through the cache
+        for i, fraction in enumerate(FRAMES):
+            assert weights[i].tobytes() == _cover_one(length, factor, fraction).tobytes()
+
+
+def _gradient(width: int, height: int) -> Image.Image:
+    y, x = np.mgrid[0:height, 0:width]
+    return Image.fromarray(np.stack([x * 255 // max(1, width - 1),
+                                     y * 255 // max(1, height - 1),
+                                     (x * 7 + y * 13) % 256], axis=-1).astype(np.uint8))
+
+
+@pytest.mark.parametrize(("size", "digest"), [
+    ((357, 268), "738ab4b76a529da6"), ((722, 448), "773e42e1eaac92a0"),
+    ((1000, 37), "089f7d1e8024097d"), ((40, 30), "ed656f492eb47233")])
+def test_grid_bytes_are_as_before(size: tuple[int, int], digest: str) -> None:
+    """The grids of a few sizes, as the 2026-12-05 code made them (a dedup index keeps
+    them: a faster grid must not move a byte)."""
+    for _ in range(2):  # made, then from the cache
+        assert hashlib.sha256(colour_grid(_gradient(*size))).hexdigest()[:16] == digest

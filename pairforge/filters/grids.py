@@ -29,6 +29,7 @@ compared in that form, by colour only.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,24 +74,50 @@ def colour_grid(image: Image.Image) -> bytes:
     # the share of each reduced pixel inside each cell: Pillow's box filter rounds cell
     # edges to whole pixels, which left a mirrored copy up to 60 levels off. At ordinary
     # aspect ratios the products stay under OpenBLAS's threading size
-    # (filters/hashing._ROWS_PER_PRODUCT): 0.46 ms for a 640x480 decode.
+    # (filters/hashing._ROWS_PER_PRODUCT).
     factor = max(1, min(w, h) // (GRID_SIDE * 4))
     small = (image.reduce(factor) if factor > 1 else image).convert("YCbCr")
     channels = np.asarray(small, dtype=np.float32).transpose(2, 0, 1)
-    grids = [_cover(h, factor, f) @ channels @ _cover(w, factor, f).T for f in FRAMES]
+    rows, columns = _covers(h, factor), _covers(w, factor)
+    grids = [rows[i] @ channels @ columns[i].T for i in range(len(FRAMES))]
     return np.round(np.stack(grids).transpose(0, 2, 3, 1)).astype(np.uint8).tobytes()
 
 
-def _cover(length: int, factor: int, fraction: float) -> np.ndarray:
-    """(GRID_SIDE, reduced pixels) weights: how much of each cell over the centre
-    ``fraction`` of a side of ``length`` pixels each reduced pixel (``factor`` of them,
-    fewer at the end) covers, as shares of the cell."""
+# The weights depend only on a side's length and the reduce factor, and a crawl's images
+# share a few sizes: kept for sides of up to _CACHED_PIXELS reduced pixels (at most
+# 128 x 96 KiB). Making them cost 0.11 ms per image, a quarter of the grid, one fraction
+# and one side at a time (bench/RESULTS.md, "Stage 1's CPU per image won back").
+_CACHED_PIXELS = 512
+_FRACTIONS = np.array(FRAMES)[:, None, None]
+
+
+def _covers(length: int, factor: int) -> np.ndarray:
+    """(FRAMES, GRID_SIDE, reduced pixels) weights of each framing (``_cover_weights``),
+    read-only."""
+    if -(-length // factor) > _CACHED_PIXELS:
+        return _cover_weights(length, factor)
+    return _cached_covers(length, factor)
+
+
+@functools.lru_cache(maxsize=128)
+def _cached_covers(length: int, factor: int) -> np.ndarray:
+    return _cover_weights(length, factor)
+
+
+def _cover_weights(length: int, factor: int) -> np.ndarray:
+    """For each framing in FRAMES, (GRID_SIDE, reduced pixels) weights: how much of each
+    cell over the centre fraction of a side of ``length`` pixels each reduced pixel
+    (``factor`` of them, fewer at the end) covers, as shares of the cell. Every framing
+    at once, element by element the same float64 operations as one at a time (the
+    grids' bytes depend on them; tests/test_colour_check.py compares)."""
     first = np.arange(-(-length // factor)) * factor
     last = np.minimum(first + factor, length)
-    step = length * fraction / GRID_SIDE
-    lo = length * (1 - fraction) / 2 + step * np.arange(GRID_SIDE)[:, None]
+    step = length * _FRACTIONS / GRID_SIDE
+    lo = length * (1 - _FRACTIONS) / 2 + step * np.arange(GRID_SIDE)[:, None]
     overlap = np.clip(np.minimum(lo + step, last) - np.maximum(lo, first), 0, None)
-    return (overlap / overlap.sum(axis=1, keepdims=True)).astype(np.float32)
+    weights = (overlap / overlap.sum(axis=2, keepdims=True)).astype(np.float32)
+    weights.flags.writeable = False  # shared through the cache
+    return weights
 
 
 def _pool(cells: np.ndarray, side: int) -> np.ndarray:
