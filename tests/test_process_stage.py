@@ -197,10 +197,12 @@ def test_two_model_pools_do_not_hang_two_cores(tmp_path, coco_raw, tiny_clip, ra
 
 def test_a_pool_shares_one_shard_batch_by_batch(tmp_path, coco_raw, ray_local, monkeypatch,
                                                  tiny_clip):
-    """A shard is cut into model batches, so both actors of a pool work on it (a shard used
-    to be one block, which went to one actor whatever the pool size)."""
+    """A shard is cut into blocks (placement.BLOCK_ROWS rows, 1 here for a 10-row shard),
+    so both actors of a pool work on it (a shard used to be one block, which went to one
+    actor whatever the pool size)."""
     import pyarrow as pa
 
+    from pairforge.pipeline import placement
     from pairforge.stage import ModelStep, StepResult
 
     class ActorPidStep(ModelStep):  # a model step that says which actor ran each row
@@ -219,6 +221,7 @@ def test_a_pool_shares_one_shard_batch_by_batch(tmp_path, coco_raw, ray_local, m
     from ray.data import DataContext
 
     monkeypatch.setattr(process_module, "enabled_steps", lambda cfg: [ActorPidStep])
+    monkeypatch.setattr(placement, "BLOCK_ROWS", 1)
     # both actors up before the first batch, so a slow start cannot leave one idle
     monkeypatch.setattr(DataContext.get_current(), "wait_for_min_actors_s", 120)
     out = _fresh_out(tmp_path, coco_raw)
@@ -660,3 +663,39 @@ def test_model_outputs_do_not_depend_on_how_the_batches_are_cut(coco_raw, tiny_c
             for column in columns:
                 assert cut[column].to_pylist() == whole[column].to_pylist(), (step.name,
                                                                                column, sizes)
+
+
+def test_the_driver_iterates_fragment_records_not_rows(tmp_path, coco_raw, tiny_clip, ray_local):
+    """The chain's last tasks write each shard's rows, images included, as fragment files
+    and return one small record per fragment: what reaches the driver holds no row."""
+    from pairforge.pipeline.chain import enabled_steps
+    from pairforge.pipeline.plan import plan_shards
+    from pairforge.pipeline.stream import _chain
+    from pairforge.shards.storage import SHARDS_FOLDER, OutputDir
+
+    out = _fresh_out(tmp_path, coco_raw)
+    cfg = parse_config(_config(out, tiny_clip, mode="threshold", threshold=-1.0))
+    store = OutputDir(str(out))
+    plans = plan_shards(store, cfg, SHARDS_FOLDER)
+    records = _chain(cfg, store, plans, enabled_steps(cfg), ()).take_all()
+    assert {tuple(sorted(r)) for r in records} == {
+        ("fragment", "rows", "shard", "statuses", "through")}
+    assert sum(r["rows"] for r in records) == sum(p.to_process for p in plans) == 39
+    fragments = sorted((out / "process-work").rglob("*.parquet"))
+    assert len(fragments) == len(records)
+    table = pq.read_table(fragments[0])
+    assert {"image", "clip_score", "key"} <= set(table.column_names)
+
+
+def test_fragments_a_stopped_run_left_are_removed_not_read(tmp_path, coco_raw, tiny_clip,
+                                                           ray_local):
+    out = _fresh_out(tmp_path, coco_raw)
+    stale = out / "process-work" / "00000"
+    stale.mkdir(parents=True)
+    pq.write_table(pa.table({"key": ["000000000"], "status": ["bogus"]}),
+                   stale / "000000000.parquet")
+    run_process(parse_config(_config(out, tiny_clip, mode="threshold", threshold=-1.0)),
+                RunOptions(show_progress=False))
+    assert not (out / "process-work").exists()
+    rows = _rows(out)
+    assert len(rows) == N_IMAGES and rows["000000000"]["status"] == "ok"

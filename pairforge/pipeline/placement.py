@@ -43,14 +43,21 @@ def fit_actor_cpus(steps: list[type[Step]], cfg: PairforgeConfig,
     return {name: round(p.num_cpus * scale, 4) for name, p in pools.items()}
 
 
+# Rows per block through the model steps. Ray Data's executor runs on the driver and
+# spends CPU on every block of every operator: cut to the smallest batch size (16 rows),
+# stage 3 cost the driver 93 CPU-seconds per 10^5 rows on the cheap chain (~30 % of a
+# core) and 6.6 at 1,024 rows, which also ran 1.34x the rows/s (bench/stage3.py, issue 48).
+# A 10^4-row shard still spreads over ten actor tasks.
+BLOCK_ROWS = 1024
+
+
 def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
               actor_cpus: dict[str, float], drop_after: tuple[str, ...] = ()) -> Any:
-    """Append the step chain; the last step drops the ``drop_after`` columns (the image:
-    the writer has it, so results travel small). Before the first model step, cut the
-    blocks into batches of the smallest model ``batch_size``. A shard arrives as one
-    block, and one block goes to one actor: cut, it spreads over every actor of a pool,
-    one model call per actor task. The plain steps before it stay fused with the reading
-    task, one task per shard."""
+    """Append the step chain; the last step drops the ``drop_after`` columns. Before the
+    first model step, cut the blocks into blocks of ``BLOCK_ROWS`` rows (or the largest
+    model ``batch_size``). A shard arrives as one block, and one block goes to one actor:
+    cut, it spreads over every actor of a pool, several model calls per actor task. The
+    plain steps before it stay fused with the reading task, one task per shard."""
     if not steps:
         # Ray asks a whole CPU for this task by default (see _cut_into_blocks)
         return ds.drop_columns(list(drop_after), num_cpus=TASK_CPUS)
@@ -58,7 +65,7 @@ def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
     cut = False
     for i, step in enumerate(steps):
         if issubclass(step, ModelStep) and not cut:
-            ds = _cut_into_blocks(ds, min(batch_sizes))
+            ds = _cut_into_blocks(ds, max(*batch_sizes, BLOCK_ROWS))
             cut = True
         ds = add_step(ds, step, cfg, actor_cpus, drop_after if i == len(steps) - 1 else ())
     return ds

@@ -28,7 +28,7 @@ from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.pipeline.runlog import log_shard, run_log
 from pairforge.pipeline.semantic_stage import run_semantic_dedup
 from pairforge.pipeline.settings import check_settings
-from pairforge.pipeline.stream import map_scores, stream_shards
+from pairforge.pipeline.stream import map_scores, remove_fragment_folder, stream_shards
 from pairforge.pipeline.write import write_scores_task, write_shard_task
 from pairforge.shards.manifest import build_manifest, write_dataset_files
 from pairforge.shards.raw import completed_shards, stats_name
@@ -55,12 +55,13 @@ def _learn_from_scores(cfg: PairforgeConfig, out: OutputDir, steps: list[type[St
 
 
 def _writer_drops(cfg: PairforgeConfig, steps: list[type[Step]]) -> tuple[str, ...]:
-    """The columns the last step drops before the writing pass's writer: the image (it
-    re-reads it) and an embedding it will not save (it served the steps only)."""
+    """The columns the last step drops before the writing pass's fragments: an embedding
+    the writer will not save (it served the steps only). The image stays: the writer puts
+    it in the tar, and the raw tar is read once."""
     scorer = scoring_step(steps)
     if scorer and scorer.embedding_column and not scorer.saves_embeddings(cfg):
-        return ("image", scorer.embedding_column)
-    return ("image",)
+        return (scorer.embedding_column,)
+    return ()
 
 
 def run_process(cfg: PairforgeConfig, run: RunOptions) -> dict[str, Any]:
@@ -85,6 +86,7 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(SHARDS_FOLDER)
     out.remove_temporaries(SHARDS_FOLDER)
+    remove_fragment_folder(out)
     say("process: starting Ray…")
     init_ray(cfg.ray)
     steps = enabled_steps(cfg)
@@ -118,6 +120,7 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
     # a writer attempt lost with its node leaves its temporary file; its retry wrote the shard
     for folder in (SHARDS_FOLDER, SCORES_FOLDER, EMBEDDINGS_FOLDER):
         out.remove_temporaries(folder)
+    remove_fragment_folder(out)
     seconds = time.time() - started
     with build_manifest(out, cfg, stage_steps(cfg)) as manifest:
         manifest.fields["log"] = log  # this run's log file, relative to OUT (one a stage run)

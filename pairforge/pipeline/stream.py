@@ -1,15 +1,20 @@
-"""Stage 3, streaming: raw rows through the step chain on Ray Data, each finished shard
-handed to a writer task.
+"""Stage 3, streaming: raw rows through the step chain on Ray Data, written by workers.
 
 Rows to process (ok after download and dedup) stream from the raw shards through the
-steps with Ray Data's backpressure; model steps are actor pools. Only small result columns
-come back to the driver (never images): the writer task re-reads the images from the raw
-tar, so results do not cross the cluster twice. A shard a scoring pass scored comes with
-the scoring step's cached columns (pairforge/stage.py's ``ScoringStep``).
+steps with Ray Data's backpressure; model steps are actor pools. No row reaches the
+driver: the chain's last tasks write each shard's rows of their block, images included,
+as a fragment file (``OUT/process-work/NNNNN/FIRSTKEY.parquet``) and return one small
+record per fragment (its shard, rows, statuses, the rows each step passed). The driver
+adds those up; once a shard's fragments hold all its rows, a writer task joins them
+with the raw parquet and writes the shard, then deletes them. Each raw tar is read once,
+by the reading task; the driver holds counts and the names of the fragments of the
+shards in flight. A shard a scoring pass scored comes with the scoring step's cached
+columns (pairforge/stage.py's ``ScoringStep``).
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,13 +31,17 @@ from pairforge.pipeline.progress import StageDisplay
 from pairforge.pipeline.ray_runtime import quiet_ray_data
 from pairforge.records import RAW_COLUMNS, STEP_INPUT_COLUMNS, Status
 from pairforge.shards.raw import shard_name
-from pairforge.shards.storage import RAW_FOLDER, SCORES_FOLDER, OutputDir
+from pairforge.shards.storage import FRAGMENTS_FOLDER, RAW_FOLDER, SCORES_FOLDER, OutputDir
 from pairforge.shards.training import read_embeddings, read_raw_images
 from pairforge.stage import SECONDS_PREFIX, ScoreMap, Step, scoring_step
 
-# (config, plan, the steps' results for the shard, stats for every shard, the step chain)
-Writer = Callable[[PairforgeConfig, ShardPlan, pa.Table, dict[str, Any], list[type[Step]]],
+# (config, plan, the shard's fragment files, stats for every shard, the step chain)
+Writer = Callable[[PairforgeConfig, ShardPlan, list[str], dict[str, Any], list[type[Step]]],
                   dict[str, Any]]
+# what the chain's last tasks return: one record per fragment file, never a row
+_FRAGMENT_RECORD = pa.schema([("shard", pa.int32()), ("fragment", pa.string()),
+                              ("rows", pa.int64()), ("statuses", pa.string()),
+                              ("through", pa.string())])
 
 
 def read_raw(out: OutputDir, shard_id: int, columns: list[str] | None = None) -> pa.Table:
@@ -152,55 +161,122 @@ def _cached_columns(steps: list[type[Step]]) -> tuple[str | None, str | None]:
     return scorer.score_column, embedding if read else None
 
 
+def write_fragments(batch: pa.Table, out_url: str, storage_options: dict,
+                    step_names: list[str]) -> pa.Table:
+    """Ray Data map, after the chain: each shard's rows of this block, as they are (results
+    and images), into one fragment file; one record per fragment out. The file is named
+    by the fragment's first key, so a retried task writes the same file again."""
+    out = OutputDir(out_url, storage_options)
+    records = []
+    for shard_id in pc.unique(batch["shard"]).to_pylist():
+        part = batch.filter(pc.equal(batch["shard"], shard_id)).drop_columns(["shard"])
+        folder = shard_name(shard_id)
+        name = f"{part['key'][0].as_py()}.parquet"
+        out.makedirs(FRAGMENTS_FOLDER, folder)
+        with out.open_atomic(FRAGMENTS_FOLDER, folder, name) as f:
+            pq.write_table(part, f)
+        through = {s: part.num_rows - part[SECONDS_PREFIX + s].null_count
+                   for s in step_names if SECONDS_PREFIX + s in part.column_names}
+        records.append({"shard": shard_id, "fragment": f"{folder}/{name}",
+                        "rows": part.num_rows,
+                        "statuses": json.dumps(Counter(part["status"].to_pylist())),
+                        "through": json.dumps(through)})
+    return pa.Table.from_pylist(records, schema=_FRAGMENT_RECORD)
+
+
+def read_fragments(out: OutputDir, fragments: list[str]) -> pa.Table:
+    """A shard's fragment files as one table (no rows: an empty table with a key)."""
+    tables = []
+    for fragment in fragments:
+        with out.fs.open(out.path(FRAGMENTS_FOLDER, fragment), "rb") as f:
+            tables.append(pq.read_table(f))
+    if not tables:
+        return pa.table({"key": pa.array([], pa.string())})
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def remove_fragments(out: OutputDir, fragments: list[str]) -> None:
+    for fragment in fragments:
+        out.remove(FRAGMENTS_FOLDER, fragment)
+
+
+def remove_fragment_folder(out: OutputDir) -> None:
+    """Fragments a stopped run left: their shards have no stats file and are redone whole."""
+    if out.exists(FRAGMENTS_FOLDER):
+        out.fs.rm(out.path(FRAGMENTS_FOLDER), recursive=True)
+
+
+class _Progress:
+    """What the driver knows of the shards in flight: their fragments and row counts."""
+
+    def __init__(self, display: StageDisplay | None, steps: list[type[Step]]) -> None:
+        self.display, self.steps = display, steps
+        self.fragments: dict[int, list[str]] = defaultdict(list)
+        self.received: Counter = Counter()
+        self.statuses: Counter = Counter()
+        self.through: Counter = Counter()  # rows each step has passed
+        self.done = display.shards_done if display else 0
+
+    def add(self, record: dict[str, Any]) -> int:
+        """One fragment's record; returns its shard's rows received so far."""
+        shard_id = record["shard"]
+        self.fragments[shard_id].append(record["fragment"])
+        self.received[shard_id] += record["rows"]
+        self.statuses.update(json.loads(record["statuses"]))
+        self.through.update(json.loads(record["through"]))
+        return self.received[shard_id]
+
+    def finished(self, shard_id: int) -> list[str]:
+        self.done += 1
+        self.received.pop(shard_id, None)
+        return self.fragments.pop(shard_id, [])
+
+    def show(self) -> None:
+        if self.display:
+            self.display.update(dict(self.statuses), self.done,
+                                {s.name: self.through[s.name] for s in self.steps})
+
+
 def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
                   steps: list[type[Step]], writer: Writer, stats_extra: dict[str, Any],
                   display: StageDisplay | None, drop: tuple[str, ...] = ("image",)) -> None:
-    """Run the step chain over the planned shards, handing each full shard to ``writer``;
-    ``drop``: the columns the last step drops (the writer re-reads the image)."""
+    """Run the step chain over the planned shards, handing each full shard's fragments to
+    ``writer``; ``drop``: the columns the last step drops (the image, where the writer
+    does not write it)."""
     import ray
 
     quiet_ray_data()
     write = ray.remote(num_cpus=TASK_CPUS, max_retries=cfg.ray.max_task_retries)(writer)
     by_id = {p.shard_id: p for p in plans}
-    buffers: dict[int, list[pa.Table]] = defaultdict(list)
-    received: Counter = Counter()
-    counts: Counter = Counter()
-    writes: list = []
-    already_done = (display.shards_done if display else 0)
-    through: Counter = Counter()  # rows each step has passed (its seconds column is set)
-
-    def finish(shard_id: int) -> None:
-        parts = buffers.pop(shard_id, [])
-        results = (pa.concat_tables(parts, promote_options="permissive") if parts
-                   else pa.table({"key": pa.array([], pa.string())}))
-        writes.append(write.remote(cfg, by_id[shard_id], results, stats_extra, steps))
-
-    for plan in plans:
-        if plan.to_process == 0:
-            finish(plan.shard_id)
+    progress = _Progress(display, steps)
+    writes = [write.remote(cfg, p, [], stats_extra, steps) for p in plans if not p.to_process]
     todo = [p for p in plans if p.to_process]
     if todo:
-        # each reading task reads its own shard's duplicates, the driver none
-        ds = ray.data.from_items([{"shard": p.shard_id} for p in todo],
-                                 override_num_blocks=len(todo))
-        ds = ds.map_batches(load_rows, batch_size=1, batch_format="pyarrow", num_cpus=TASK_CPUS,
-                            fn_args=(out.url, cfg.output.storage_options, todo[0].decisions,
-                                     *_cached_columns(steps)))
-        actor_cpus = fit_actor_cpus(steps, cfg, ray.cluster_resources().get("CPU", 1.0))
-        ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=drop)
-        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            for step in steps:
-                column = SECONDS_PREFIX + step.name
-                if column in batch.column_names:
-                    through[step.name] += batch.num_rows - batch[column].null_count
-            for shard_id in pc.unique(batch["shard"]).to_pylist():
-                part = batch.filter(pc.equal(batch["shard"], shard_id)).drop_columns(["shard"])
-                buffers[shard_id].append(part)
-                received[shard_id] += part.num_rows
-                counts.update(part["status"].to_pylist())
-                if received[shard_id] == by_id[shard_id].to_process:
-                    finish(shard_id)
-            if display:
-                display.update(dict(counts), already_done + len(writes),
-                               {s.name: through[s.name] for s in steps})
+        for batch in _chain(cfg, out, todo, steps, drop).iter_batches(
+                batch_format="pyarrow", batch_size=None):
+            for record in batch.to_pylist():
+                shard_id = record["shard"]
+                if progress.add(record) == by_id[shard_id].to_process:
+                    writes.append(write.remote(cfg, by_id[shard_id],
+                                               progress.finished(shard_id), stats_extra, steps))
+            progress.show()
     ray.get(writes)
+
+
+def _chain(cfg: PairforgeConfig, out: OutputDir, todo: list[ShardPlan],
+           steps: list[type[Step]], drop: tuple[str, ...]) -> Any:
+    """The Ray Data pipeline: read each shard, the steps, the fragment writers."""
+    import ray
+
+    # each reading task reads its own shard's duplicates, the driver none
+    ds = ray.data.from_items([{"shard": p.shard_id} for p in todo],
+                             override_num_blocks=len(todo))
+    ds = ds.map_batches(load_rows, batch_size=1, batch_format="pyarrow", num_cpus=TASK_CPUS,
+                        fn_args=(out.url, cfg.output.storage_options, todo[0].decisions,
+                                 *_cached_columns(steps)))
+    actor_cpus = fit_actor_cpus(steps, cfg, ray.cluster_resources().get("CPU", 1.0))
+    ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=drop)
+    return ds.map_batches(write_fragments, batch_size=None, batch_format="pyarrow",
+                          num_cpus=TASK_CPUS,
+                          fn_args=(out.url, cfg.output.storage_options,
+                                   [s.name for s in steps]))

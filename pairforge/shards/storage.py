@@ -29,6 +29,9 @@ DEDUP_FOLDER = "dedup"  # stage 2
 SCORES_FOLDER = "clip"  # stage 3, CLIP scores of top_fraction mode
 EMBEDDINGS_FOLDER = "embeddings"  # stage 3, optional image embeddings
 SHARDS_FOLDER = "shards"  # stage 3, training shards
+# stage 3 while it runs: each shard's rows as the chain's last tasks wrote them (with their
+# images), until the shard's writer joins them (pipeline/stream.py)
+FRAGMENTS_FOLDER = "process-work"
 MANIFEST = "manifest.json"  # the dataset's manifest, at the top of OUT
 
 

@@ -119,13 +119,17 @@ def task_totals(ok: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
 def write_training_shard(out: OutputDir, shard_id: int, rows: list[dict[str, Any]],
                          schema: pa.Schema, meta_fields: list[str],
                          stats_extra: dict[str, Any], tasks: TasksConfig,
-                         save_embeddings: bool = True) -> dict[str, Any]:
+                         save_embeddings: bool = True,
+                         images: dict[str, tuple[str, bytes | memoryview]] | None = None
+                         ) -> dict[str, Any]:
     """Tar of the ok samples, parquet of every row, the rows' CLIP embeddings (when
-    ``save_embeddings``), then the stats file (last)."""
+    ``save_embeddings``), then the stats file (last). ``images``: key -> (extension,
+    bytes) of the ok rows, as the steps carried them; None: read from the raw tar."""
     out.makedirs(SHARDS_FOLDER)
     ok = [r for r in rows if r["status"] == Status.OK]
     budget = label_tasks(ok, shard_id, tasks)
-    images = read_raw_images(out, shard_id, {r["key"] for r in ok})
+    if images is None:
+        images = read_raw_images(out, shard_id, {r["key"] for r in ok})
     name = shard_name(shard_id)
     with out.open_atomic(SHARDS_FOLDER, f"{name}.tar") as f, SampleTarWriter(f) as writer:
         for row in ok:

@@ -1,0 +1,154 @@
+"""Stage 3 at scale (issue 48): the driver's CPU and memory, and rows/s, on a cheap chain.
+
+    python bench/stage3.py [--rows 100000 1000000] [--quick] [--json FILE] [--work DIR]
+
+For each size, raw shards of 32-px scenes (the bundled sample's images, each through stage
+1's image pass once, then repeated under new keys: dedup is off) are written to disk in
+shards of ``--shard-size`` rows, then ``pairforge process`` runs in a fresh driver process
+with the cheap chain: basic filters, the demo's VQ (pairforge/sample/vq32) and caption BPE
+(pairforge/sample/text), t2i/i2t labels. The driver's CPU seconds and peak RSS
+(getrusage of that process: Ray's own processes and the workers are not counted) are
+measured for that run and for a rerun with nothing left to do; the difference is what the
+rows cost the driver. ``--quick`` stops at 10^6 rows. ``--json FILE`` writes
+``{"driver_cpu_s_per_1e5_rows": {"<rows>": …}, "driver_peak_rss_mib": {"<rows>": …},
+"rows_per_s": {"<rows>": …}}`` (issue 48's layout; its decode count and recaption-actor
+memory are not measured here yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "pairforge" / "sample"
+
+_DRIVER = """
+import json, resource, sys, time
+from pairforge.config import load_config
+from pairforge.pipeline.entry import RunOptions
+from pairforge.pipeline.process import run_process
+started = time.time()
+summary = run_process(load_config(sys.argv[1]), RunOptions(show_progress=False))
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"cpu_s": usage.ru_utime + usage.ru_stime,
+                  "peak_rss_mib": usage.ru_maxrss / 1024, "seconds": time.time() - started,
+                  "rows_ok": summary.get("successes")}))
+"""
+
+
+def config(out: Path) -> dict[str, Any]:
+    return {"input": {"path": "unused", "shard_size": 10_000},
+            "output": {"path": str(out)}, "ray": {"num_cpus": 2},
+            "dedup": {"enabled": False},
+            "download": {"image": {"image_size": 32, "encode_format": "png"}},
+            "process": {"basic": {"min_image_side": 16},
+                        "tokenize": {"enabled": True,
+                                     "image": {"backend": "pairforge-vq",
+                                               "path_or_id": str(SAMPLE / "vq32")},
+                                     "text": {"backend": "hf",
+                                              "path_or_id": str(SAMPLE / "text")}},
+                        "tasks": {"p_drop": 0.3}}}
+
+
+def _distinct_rows(cfg: Any, limit: int) -> list[tuple[dict[str, Any], Any]]:
+    """(record fields, processed image) of up to ``limit`` sample scenes."""
+    from pairforge.download.imageproc import process_image
+
+    with open(SAMPLE / "captions.csv", newline="") as f:
+        rows = list(csv.DictReader(f))[:limit]
+    made = []
+    for row in rows:
+        image = process_image((SAMPLE / "images" / row["filename"]).read_bytes(),
+                              cfg.download.image)
+        fields = dict(url=f"http://127.0.0.1/{row['filename']}", caption=row["caption"],
+                      caption_issue=None, status="ok", error=None, http_status=200,
+                      image_format=image.format, width=image.width, height=image.height,
+                      original_width=image.original_width,
+                      original_height=image.original_height, sha256=image.sha256,
+                      pixel_hash=image.pixel_hash, phash=image.phash,
+                      phash_mirror=image.phash_mirror, crop_phashes=list(image.crop_phashes),
+                      colour_grid=image.colour_grid, exif=None)
+        made.append((fields, image))
+    return made
+
+
+def write_raw(out: Path, rows: int, shard_size: int) -> None:
+    """Raw shards of ``rows`` rows, as stage 1 writes them."""
+    from pairforge.config import parse_config
+    from pairforge.download.shard import sample_meta
+    from pairforge.pipeline.settings import settings_record, stage_settings
+    from pairforge.records import index_digits, make_key
+    from pairforge.shards.raw import RawShardWriter
+    from pairforge.shards.storage import RAW_FOLDER, OutputDir
+
+    cfg = parse_config({**config(out), "input": {"path": "unused", "shard_size": shard_size}})
+    distinct = _distinct_rows(cfg, 1000)
+    settings = settings_record(stage_settings(cfg, "download"))
+    target = OutputDir(str(out))
+    target.makedirs(RAW_FOLDER)
+    digits = index_digits(shard_size)
+    for shard in range(-(-rows // shard_size)):
+        writer = RawShardWriter(target, RAW_FOLDER, shard, [])
+        for i in range(shard * shard_size, min(rows, (shard + 1) * shard_size)):
+            fields, image = distinct[i % len(distinct)]
+            record = {"key": make_key(shard, i, digits), **fields}
+            writer.add(record, image.data, image.format, sample_meta(record))
+        writer.close({"stage": "download", "settings": settings, "start_time": 0,
+                      "end_time": 0, "duration_s": 0})
+
+
+def drive(cfg_path: Path) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", _DRIVER, str(cfg_path)], cwd=REPO,
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(rows: int, work: Path, shard_size: int) -> dict[str, Any]:
+    out = work / f"rows{rows}"
+    shutil.rmtree(out, ignore_errors=True)
+    started = time.time()
+    write_raw(out, rows, shard_size)
+    print(f"{rows:,} rows: raw shards written in {time.time() - started:.0f} s", flush=True)
+    cfg_path = work / f"rows{rows}.yaml"
+    cfg_path.write_text(yaml.safe_dump(config(out)))
+    run, rerun = drive(cfg_path), drive(cfg_path)
+    result = {"rows": rows, "run": run, "rerun": rerun,
+              "driver_cpu_s_per_1e5_rows": round((run["cpu_s"] - rerun["cpu_s"]) / rows * 1e5, 3),
+              "driver_peak_rss_mib": round(run["peak_rss_mib"], 1),
+              "rows_per_s": round(rows / run["seconds"], 1)}
+    print(json.dumps(result), flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
+    parser.add_argument("--quick", action="store_true", help="stop at 10^6 rows")
+    parser.add_argument("--shard-size", type=int, default=10_000)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--work", type=Path)
+    args = parser.parse_args()
+    sizes = [r for r in args.rows if not args.quick or r <= 1_000_000]
+    work = args.work or Path(tempfile.mkdtemp(prefix="pf-stage3-"))
+    results = [measure(rows, work, args.shard_size) for rows in sizes]
+    report = {key: {str(r["rows"]): r[key] for r in results}
+              for key in ("driver_cpu_s_per_1e5_rows", "driver_peak_rss_mib", "rows_per_s")}
+    print(json.dumps(report, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
