@@ -220,18 +220,27 @@ class CaptionIngress:
             raise RequestError(503, "not_ready", problem, {"Retry-After": str(RETRY_AFTER_S)})
         s = self.cfg.serve
         try:
-            body = await asyncio.wait_for(self._read_body(request), s.http_request_timeout_s)
+            async with asyncio.timeout(s.http_request_timeout_s):  # no task of its own
+                body = await self._read_body(request)
         except TimeoutError:
             raise RequestError(408, "body_timeout", "the body did not arrive within "
                                f"serve.http_request_timeout_s={s.http_request_timeout_s}") \
                 from None
         loop = asyncio.get_running_loop()
-        source = await loop.run_in_executor(self.decode_pool, parse_body, request.headers.get(
-            "content-type"), body, s.max_multipart_parts)
-        if isinstance(source, str):
-            source = await self._fetch(source)
-        upload = await loop.run_in_executor(self.decode_pool, decode_upload, source, self.cfg)
+        # one hop to the decode threads for parsing and decoding (each hop is a wait for
+        # a thread, and then for the loop, on a busy host)
+        upload = await loop.run_in_executor(self.decode_pool, self._upload,
+                                            request.headers.get("content-type"), body)
+        if isinstance(upload, str):  # a URL: fetched on the URL pool, then decoded
+            data = await self._fetch(upload)
+            upload = await loop.run_in_executor(self.decode_pool, decode_upload, data,
+                                                self.cfg)
         return await self.batch(upload)
+
+    def _upload(self, content_type: str | None, body: bytes) -> Upload | str:
+        """The body parsed and its image decoded, or the URL a JSON body names."""
+        source = parse_body(content_type, body, self.cfg.serve.max_multipart_parts)
+        return source if isinstance(source, str) else decode_upload(source, self.cfg)
 
     async def _fetch(self, url: str) -> bytes:
         """The image at ``url``, fetched on the URL pool within ``serve.url_timeout_s``
