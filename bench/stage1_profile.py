@@ -4,6 +4,7 @@
     python bench/stage1_profile.py --photos web    # 640-2,048 px; --photos coco: as shipped
     python bench/stage1_profile.py --decoders 15   # only 5. and 6., 15 interleaved rounds
     python bench/stage1_profile.py --resizers 6    # only 7., 6 interleaved rounds
+    python bench/stage1_profile.py --parts --photos web   # only 8. and 9.
 
 CPU time, not wall time: the build machine is shared, and CPU per image is what decides
 how many images a core turns out. It is the whole process's CPU time, never one thread's:
@@ -35,6 +36,15 @@ the variants take turns on every photo, so a round compares them under the same 
    target, e.g. 3/8 for 1,280 -> 341x256) against the draft scale, not used by the stage:
    CPU of decode + pixel hash + perceptual hashes + libvips resize, and PSNR of the
    resized pixels against a Lanczos resize of the full-size decode.
+
+With ``--parts`` (no server):
+
+8. ``process_image``'s steps in the order it takes them, each photo through all of them
+   before the next (so each step meets the caches the one before left, as in the stage):
+   the checked decode, pixel hash, perceptual hashes, resize, encode, sha256, colour
+   grid, against the whole call on the same photos.
+9. What the bound of issue 46 item 1 costs: the plan and ICO checks per image, and the
+   memory guard (download/memory_guard.py) per second of a task, idle but for it.
 
 With ``--resizers ROUNDS`` (no server):
 
@@ -77,11 +87,14 @@ from pairforge.download import imageproc, jpegdecode  # noqa: E402
 from pairforge.download import shard as download  # noqa: E402
 from pairforge.download.fetch import Fetcher  # noqa: E402
 from pairforge.download.imageproc import process_image  # noqa: E402
+from pairforge.download.memory_guard import MemoryGuard  # noqa: E402
 from pairforge.download.resample import downscale  # noqa: E402
+from pairforge.filters.grids import colour_grid  # noqa: E402
 from pairforge.filters.hashing import (  # noqa: E402
     perceptual_hashes,
     phash_u64,
     pixel_hash_hex,
+    sha256_hex,
 )
 from pairforge.pipeline.download_stage import input_shards  # noqa: E402
 from pairforge.pipeline.settings import settings_record, stage_settings  # noqa: E402
@@ -135,6 +148,7 @@ def floor(bodies: list[bytes], repeats: int) -> None:
     }
     vips = best_ms(lambda d: downscale(d[0].tobytes(), d[0].size, d[1]), decoded, repeats)
     every_phash = best_ms(lambda d: perceptual_hashes(d[0]), decoded, repeats)
+    grid = best_ms(lambda d: colour_grid(d[0]), decoded, repeats)
     print("1. Pillow floor, ms CPU per image:")
     for name, ms in parts.items():
         print(f"   {name:28s} {ms:6.2f}")
@@ -143,6 +157,7 @@ def floor(bodies: list[bytes], repeats: int) -> None:
     print(f"   {'floor (sum)':28s} {total:6.2f}")
     print(f"   resize with libvips (stage) {vips:6.2f}  -> floor with it {with_vips:.2f}")
     print(f"   phash + mirror + crop hashes (stage) {every_phash:.2f}")
+    print(f"   colour grid (stage) {grid:.2f}")
 
 
 def image_pass(bodies: list[bytes], repeats: int) -> None:
@@ -405,6 +420,68 @@ def resizers(bodies: list[bytes], rounds: int) -> None:
         print(f"   PSNR {name:40s} mean {np.mean(values):6.2f} dB, min {min(values):6.2f} "
               f"({len(values)} photos)")
 
+def _steps(body: bytes, cfg: ImageConfig, spent: dict[str, float]) -> None:
+    """``imageproc._process``'s steps on one photo, each step's process CPU added up."""
+    clock = time.process_time
+    start = clock()
+    d = imageproc._decode_checked(body, cfg, True, True)
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("pixel hash", lambda: pixel_hash_hex(d.rgb, d.pixels)),
+        ("perceptual hashes (6)", lambda: perceptual_hashes(d.rgb)),
+        ("resize (libvips)", lambda: imageproc._apply_plan(d.rgb, d.pixels, d.plan,
+                                                          cfg.image_size)),
+    ]
+    spent["open, checks, decode, EXIF"] += clock() - start
+    for name, step in steps:
+        start = clock()
+        out = step()
+        spent[name] += clock() - start
+    for name, step in [("encode JPEG q95", lambda: imageproc._encode(out, cfg)),
+                       ("sha256 of the body", lambda: sha256_hex(body)),
+                       ("colour grid", lambda: colour_grid(d.rgb))]:
+        start = clock()
+        step()
+        spent[name] += clock() - start
+
+
+def parts(bodies: list[bytes], repeats: int) -> None:
+    cfg = ImageConfig(image_size=SIZE, encode_quality=95)
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        spent: dict[str, float] = defaultdict(float)
+        for body in bodies:
+            _steps(body, cfg, spent)
+        if not best or sum(spent.values()) < sum(best.values()):
+            best = dict(spent)
+    whole = best_ms(lambda b: process_image(b, cfg), bodies, repeats)
+    print("8. process_image step by step, ms CPU per image (the best pass):")
+    for name, seconds in best.items():
+        print(f"   {name:28s} {seconds / len(bodies) * 1e3:6.3f}")
+    print(f"   {'sum':28s} {sum(best.values()) / len(bodies) * 1e3:6.3f}; the whole call "
+          f"{whole:.3f}")
+    bound(bodies, cfg)
+
+
+def bound(bodies: list[bytes], cfg: ImageConfig) -> None:
+    """Issue 46 item 1's checks per image and the memory guard's sampling per second."""
+    opened = [imageproc._open(b) for b in bodies]
+    plans = [imageproc._plan_resize(*image.size, cfg) for image in opened]
+    pairs = list(zip(opened, plans, strict=True)) * 50
+    plan_us = best_ms(lambda p: imageproc._check_plan(p[0], p[1], cfg, True), pairs, 5) * 1e3
+    icon_us = best_ms(lambda b: imageproc._check_icon(b, cfg), bodies * 50, 5) * 1e3
+    print(f"9. plan check {plan_us:.2f} us per image, ICO pre-check {icon_us:.2f} us; "
+          "memory guard, process CPU per second of an otherwise idle task:")
+    for _ in range(3):
+        for guarded in (True, False):
+            start = time.process_time()
+            if guarded:
+                with MemoryGuard(4096, None):  # type: ignore[arg-type]
+                    time.sleep(5)
+            else:
+                time.sleep(5)
+            print(f"   {'with the guard' if guarded else 'without':14s} "
+                  f"{(time.process_time() - start) / 5 * 1e3:6.2f} ms")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -414,6 +491,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decoders", type=int, default=0, metavar="ROUNDS",
                         help="only JPEG decoders side by side (5. and 6.), in ROUNDS rounds")
+    parser.add_argument("--parts", action="store_true",
+                        help="only the image pass step by step and the bound's cost (8., 9.)")
     parser.add_argument("--resizers", type=int, default=0, metavar="ROUNDS",
                         help="only downscalers side by side (7.), in ROUNDS rounds")
     args = parser.parse_args()
@@ -427,6 +506,9 @@ def main() -> None:
         return
     if args.resizers:
         resizers(bodies, args.resizers)
+        return
+    if args.parts:
+        parts(bodies, args.repeats)
         return
     floor(bodies, args.repeats)
     image_pass(bodies, args.repeats)
