@@ -342,3 +342,17 @@ def test_unsupported_nouns_regenerate_then_abstain_to_img(
     # one flag per unsupported noun: the taught captions name one to three objects each
     assert manifest["recaption"]["flags"]["abstained:ungrounded"] >= len(ok)
     assert set(manifest["totals"]["tasks"]) == {"img"}
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_a_claim_registry_only_where_copies_can_reach_stage_3(ray_local, dedup):
+    """With dedup on, stage 2 dropped every pixel-identical copy: no registry actor (it
+    would hold every pixel hash and caption of the build); with dedup off, one."""
+    from pairforge.recaption.claims import find_registry
+    from pairforge.recaption.step import RecaptionStep, registry_name
+
+    cfg = parse_config({"input": {"path": "unused"}, "dedup": {"enabled": dedup},
+                        "process": {"recaption": {"enabled": True, "model": "unused"}}})
+    with RecaptionStep.build_scope(cfg):
+        registry = find_registry(registry_name(cfg))
+        assert (registry is not None) == (not dedup)

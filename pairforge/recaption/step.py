@@ -189,7 +189,13 @@ class RecaptionStep(ModelStep):
     @classmethod
     @contextlib.contextmanager
     def build_scope(cls, cfg: PairforgeConfig) -> Iterator[None]:
-        """The build's claim registry lives as long as the stage-3 run."""
+        """The build's claim registry lives as long as the stage-3 run. With dedup on,
+        stage 2 has dropped every pixel-identical copy, so no two rows can claim one image:
+        no registry is started (it holds every pixel hash and caption of the build in one
+        actor), and the actors find none and caption their own rows."""
+        if cfg.dedup.enabled:
+            yield
+            return
         registry = start_registry(registry_name(cfg, cls.column))
         try:
             yield
