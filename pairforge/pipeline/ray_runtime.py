@@ -7,6 +7,7 @@ import glob
 import json
 import logging
 import os
+import secrets
 import shlex
 import shutil
 import socket
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pairforge.config import RayConfig, ServeConfig
+from pairforge.config import ConfigError, RayConfig, ServeConfig
 from pairforge.pipeline.ray_private import environment, lean_local_start, worker_settings
 
 # Ray prints banners, dashboard hints and per-worker log lines; the user sees our
@@ -50,9 +51,9 @@ def serve_settings() -> dict[str, str]:
     actor call (4.6 ms of CPU per request); replicas call each other over gRPC. On 2 cores
     with the demo's captioner saturation went from 0.57x to ~0.8x the bare loop
     (bench/RESULTS.md). Its files (configuration, admin socket, server state) go in a
-    private folder (``haproxy_folder``, 0700, removed at exit) instead of the shared
-    /tmp/haproxy-serve, and its binary is a script that applies ``serve.*`` to the
-    configuration Ray writes (serve/haproxy_hook.py says why). An ingress replica that
+    private folder (``haproxy_folder``, 0700, made when the service starts, removed at
+    exit) instead of the shared /tmp/haproxy-serve, and its binary is a script that
+    applies ``serve.*`` to the configuration Ray writes (serve/haproxy_hook.py says why). An ingress replica that
     stops stays open at least Ray's draining period, 30 s, for external load balancers to
     deregister it; the local HAProxy is told at once, so 2 s (stopping took 31 s with
     Ray's, 6 s now). Nothing HAProxy-related is set where no binary is found or the user
@@ -67,12 +68,12 @@ def serve_settings() -> dict[str, str]:
     binary = haproxy_binary()
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "1" or not binary:
         return settings
-    folder = haproxy_folder()
+    folder = haproxy_folder(binary)
     return {**settings, "RAY_SERVE_ENABLE_HA_PROXY": "1",
             "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
             "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
-            "RAY_SERVE_HAPROXY_BINARY_PATH": _hook_script(folder, binary),
+            "RAY_SERVE_HAPROXY_BINARY_PATH": os.path.join(folder, "haproxy"),
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(folder, "haproxy.cfg"),
             "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(folder, "admin.sock"),
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": folder,
@@ -85,46 +86,60 @@ def serve_settings() -> dict[str, str]:
             "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "20"}
 
 
-_HAPROXY_FOLDER: list[str] = []  # this process's private HAProxy folder, once made
+# this process's private HAProxy folder: "folder", its name, reserved when a local Ray
+# starts; "binary", the real HAProxy; "made", once configure_front has made it
+_HAPROXY: dict[str, str] = {}
 HOOK_SETTINGS = "front.json"  # in the folder: serve/haproxy_hook.py's settings
 
 
-def haproxy_folder() -> str:
-    """This process's private folder for HAProxy's files (0700: its admin socket, also
-    0600, is out of other users' reach), made once and removed when Ray is shut down or
-    the process exits. Ray puts each node's files in a sub-folder named by the node."""
-    if not _HAPROXY_FOLDER:
+def haproxy_folder(binary: str) -> str:
+    """The name of this process's private folder for HAProxy's files, reserved when a
+    local Ray starts (Ray reads the paths then) and made, 0700, only when the service
+    starts (``configure_front``; a build never makes one), removed when Ray is shut down
+    or the process exits. Ray puts each node's files in a sub-folder named by the node."""
+    if "folder" not in _HAPROXY:
         # short: HAProxy caps a socket's path at 97 characters, and Ray adds the node's id
         # (56) and "/metrics.sock"; /tmp rather than $TMPDIR, which may be long
         base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
-        _HAPROXY_FOLDER.append(tempfile.mkdtemp(prefix=f"pfs{os.getpid()}-", dir=base))
-        atexit.register(remove_haproxy_folder)
-        configure_front(ServeConfig())
-    return _HAPROXY_FOLDER[0]
+        _HAPROXY.update(folder=os.path.join(base, f"pfs{os.getpid()}-{secrets.token_hex(4)}"),
+                        binary=binary)
+    return _HAPROXY["folder"]
 
 
 def remove_haproxy_folder() -> None:
-    if _HAPROXY_FOLDER:
-        shutil.rmtree(_HAPROXY_FOLDER.pop(), ignore_errors=True)
+    if _HAPROXY.get("made"):
+        shutil.rmtree(_HAPROXY["folder"], ignore_errors=True)
+    _HAPROXY.clear()
 
 
-def _hook_script(folder: str, binary: str) -> str:
-    """The executable Ray starts as HAProxy: the hook, then the real binary."""
+def _make_folder() -> None:
+    """Make the reserved folder (``mkdir`` fails on a name someone else took in /tmp:
+    then the service does not start) and the script Ray starts as HAProxy: the hook, then
+    the real binary."""
+    folder = _HAPROXY["folder"]
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        raise ConfigError(f"{folder} exists and is not this service's: HAProxy's private "
+                          "folder cannot be made") from None
+    atexit.register(remove_haproxy_folder)
+    _HAPROXY["made"] = "1"
     path = os.path.join(folder, "haproxy")
     with open(path, "w") as f:
         f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m pairforge.serve.haproxy_hook "
-                f"{shlex.quote(os.path.join(folder, HOOK_SETTINGS))} {shlex.quote(binary)} "
-                '"$@"\n')
+                f"{shlex.quote(os.path.join(folder, HOOK_SETTINGS))} "
+                f"{shlex.quote(_HAPROXY['binary'])} \"$@\"\n")
     os.chmod(path, 0o700)
-    return path
 
 
 def configure_front(cfg: ServeConfig) -> None:
     """What the next HAProxy start or reload of this process's local Ray applies
-    (serve/haproxy_hook.py); nothing where there is no private folder (a cluster's Ray,
-    or HAProxy off)."""
-    if not _HAPROXY_FOLDER:
+    (serve/haproxy_hook.py), making the private folder first; nothing where there is none
+    (a cluster's Ray, or HAProxy off). Called before ``serve.start``."""
+    if "folder" not in _HAPROXY:
         return
+    if not _HAPROXY.get("made"):
+        _make_folder()
     settings = {"host": cfg.host, "stats_listeners": cfg.stats_listeners,
                 "http_request_timeout_s": cfg.http_request_timeout_s,
                 "client_timeout_s": cfg.client_timeout_s,
@@ -132,7 +147,7 @@ def configure_front(cfg: ServeConfig) -> None:
                 "server_timeout_s": int(cfg.timeout_s) + 5,
                 "max_connections": cfg.max_connections,
                 "max_connections_per_source": cfg.max_connections_per_source}
-    path = os.path.join(_HAPROXY_FOLDER[0], HOOK_SETTINGS)
+    path = os.path.join(_HAPROXY["folder"], HOOK_SETTINGS)
     with open(path + ".tmp", "w") as f:
         json.dump(settings, f)
     os.replace(path + ".tmp", path)
@@ -140,9 +155,9 @@ def configure_front(cfg: ServeConfig) -> None:
 
 def haproxy_admin_sockets() -> list[str]:
     """The admin sockets of this process's HAProxy (one per node of the local Ray)."""
-    if not _HAPROXY_FOLDER:
+    if not _HAPROXY.get("made"):
         return []
-    return sorted(glob.glob(os.path.join(_HAPROXY_FOLDER[0], "*", "admin.sock")))
+    return sorted(glob.glob(os.path.join(_HAPROXY["folder"], "*", "admin.sock")))
 
 
 def haproxy_binary() -> str | None:
