@@ -51,14 +51,14 @@ def serve_settings() -> dict[str, str]:
     actor call (4.6 ms of CPU per request); replicas call each other over gRPC. On 2 cores
     with the demo's captioner saturation went from 0.57x to ~0.8x the bare loop
     (bench/RESULTS.md). Its files (configuration, admin socket, server state) go in a
-    private folder (``haproxy_folder``, 0700, made when the service starts, removed at
-    exit) instead of the shared /tmp/haproxy-serve, and its binary is a script that
-    applies ``serve.*`` to the configuration Ray writes (serve/haproxy_hook.py says why). An ingress replica that
-    stops stays open at least Ray's draining period, 30 s, for external load balancers to
-    deregister it; the local HAProxy is told at once, so 2 s (stopping took 31 s with
-    Ray's, 6 s now). Nothing HAProxy-related is set where no binary is found or the user
-    turned HAProxy off (``RAY_SERVE_THROUGHPUT_OPTIMIZED`` alone would leave no proxy on
-    the HTTP port). A cluster's mode is its nodes' environment (README, "pairforge
+    private folder (``haproxy_folder``, 0700, made when the service starts, removed at exit)
+    instead of the shared /tmp/haproxy-serve, and its binary is a script that applies
+    ``serve.*`` to the configuration Ray writes (serve/haproxy_hook.py says why). An ingress
+    replica that stops stays open at least Ray's draining period, 30 s, for external load
+    balancers to deregister it; the local HAProxy is told at once, so 2 s (stopping took 31
+    s with Ray's, 6 s now). Nothing HAProxy-related is set where no binary is found or the
+    user turned HAProxy off (``RAY_SERVE_THROUGHPUT_OPTIMIZED`` alone would leave no proxy
+    on the HTTP port). A cluster's mode is its nodes' environment (README, "pairforge
     serve")."""
     http_fallback, grpc_fallback, stats, metrics = _free_ports(4)
     settings = {"RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(http_fallback),
