@@ -85,8 +85,9 @@ def colour_grid(image: Image.Image) -> bytes:
 
 # The weights depend only on a side's length and the reduce factor, and a crawl's images
 # share a few sizes: kept for sides of up to _CACHED_PIXELS reduced pixels (at most
-# 128 x 96 KiB). Making them cost 0.11 ms per image, a quarter of the grid, one fraction
-# and one side at a time (bench/RESULTS.md, "Stage 1's CPU per image won back").
+# 128 x 96 KiB). Made one framing and one side at a time they cost 0.11 ms per image;
+# with both changes the grid took 0.45 ms against 0.50 (bench/RESULTS.md, "Stage 1's
+# CPU per image won back").
 _CACHED_PIXELS = 512
 _FRACTIONS = np.array(FRAMES)[:, None, None]
 
