@@ -250,6 +250,7 @@ def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
     by_id = {p.shard_id: p for p in plans}
     progress = _Progress(display, steps)
     writes = [write.remote(cfg, p, [], stats_extra, steps) for p in plans if not p.to_process]
+    progress.done += len(writes)
     todo = [p for p in plans if p.to_process]
     if todo:
         for batch in _chain(cfg, out, todo, steps, drop).iter_batches(
