@@ -440,12 +440,6 @@ def test_slow_urls_do_not_delay_uploads(services) -> None:
     assert answers == [422] * 12
 
 
-@pytest.mark.skipif(
-    b"bounded" not in subprocess.run(
-        ["git", "log", "--format=%s", "--", "pairforge/download/imageproc.py"], cwd=ROOT,
-        capture_output=True).stdout,
-    reason="the bounded resize plan of download/imageproc.py (too_large before allocating "
-           "a strip's upscale) has not landed")
 def test_a_thin_strip_is_refused_before_its_upscale_is_allocated(services) -> None:
     import io
 
