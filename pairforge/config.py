@@ -7,10 +7,11 @@ message naming the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -26,6 +27,18 @@ DEFAULT_USER_AGENT = f"pairforge/{__version__} (+https://github.com/pairforge/pa
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _valid_networks(value: list[str]) -> list[str]:
+    """CIDRs as the address guard reads them: a typo stops the run before any work."""
+    import ipaddress
+
+    for net in value:
+        ipaddress.ip_network(net, strict=False)
+    return value
+
+
+Networks = Annotated[list[str], AfterValidator(_valid_networks)]  # download's and serve's
 
 
 class InputConfig(Strict):
@@ -151,7 +164,7 @@ class DownloadConfig(Strict):
     robots_directives: list[str] = Field(
         default_factory=lambda: ["noai", "noimageai", "noindex", "noimageindex"],
         description="X-Robots-Tag directives that opt an image out (img2dataset's set)")
-    allow_addresses: list[str] = Field(
+    allow_addresses: Networks = Field(
         default_factory=list,
         description="CIDRs the address guard lets through (e.g. 127.0.0.1/32 for tests)")
     allow_file_scheme: bool = False
@@ -188,15 +201,6 @@ class DownloadConfig(Strict):
         """The product token of ``user_agent``: what robots.txt groups are matched by (RFC
         9309 2.2.1, case-insensitively)."""
         return self.user_agent.split("/", 1)[0].split()[0]
-
-    @field_validator("allow_addresses")
-    @classmethod
-    def _valid_networks(cls, value: list[str]) -> list[str]:
-        import ipaddress
-
-        for net in value:
-            ipaddress.ip_network(net, strict=False)
-        return value
 
 
 class SemanticDedupConfig(Strict):
@@ -667,7 +671,7 @@ class ServeConfig(Strict):
                              "decoding of uploads; a fetch waits past it")
     decode_threads: int = Field(4, gt=0, description="threads parsing bodies and decoding "
                                 "images, per ingress replica")
-    allow_addresses: list[str] = Field(
+    allow_addresses: Networks = Field(
         default_factory=list, description="CIDRs the URL fetch may reach that the address "
         "guard refuses otherwise (loopback, private, ...); the service's own, not "
         "download.allow_addresses")
@@ -695,15 +699,6 @@ class ServeConfig(Strict):
     access_log: bool = Field(True, description="Serve's access log line per request in the "
                              "replica's log file (off: a little less work per request)")
     cache: ServeCacheConfig = Field(default_factory=ServeCacheConfig)
-
-    @field_validator("allow_addresses")
-    @classmethod
-    def _valid_networks(cls, value: list[str]) -> list[str]:
-        import ipaddress
-
-        for net in value:
-            ipaddress.ip_network(net, strict=False)
-        return value
 
     @model_validator(mode="after")
     def _autoscale_pair(self) -> ServeConfig:
