@@ -159,8 +159,19 @@ class LocalCluster:
 
     def start(self, timeout: float = 120) -> LocalCluster:
         names = list(self.nodes)
-        self._spawn(names[0], head=True)
-        self._wait_alive(names[:1], timeout)
+        # The head gets a second try too: on a loaded machine `ray start --head` can miss
+        # its deadline for the GCS's node info ("RPC error: Deadline Exceeded").
+        for attempt in (1, 2):
+            self._spawn(names[0], head=True)
+            try:
+                self._wait_alive(names[:1], timeout)
+                break
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+                with contextlib.suppress(ProcessLookupError):  # what it left (its group)
+                    os.killpg(self.started[names[0]].proc.pid, signal.SIGKILL)
+                self.gcs_port = free_port()
         for i, name in enumerate(names[1:], start=2):
             # One at a time, and a second try: on a loaded machine a raylet can miss
             # `ray start`'s fixed 30 s registration deadline.
