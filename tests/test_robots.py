@@ -266,12 +266,18 @@ def test_stage1_on_ray_fetches_each_file_once_per_host(tmp_path, images, server,
                                                       monkeypatch):
     """Three shard tasks in two worker processes: robots.txt and tdmrep.json are fetched
     once per host for the run; the manifest-bound stats add up; the cache folder goes."""
+    from pairforge.download.consent import cache_dir
+    from pairforge.pipeline import download_stage
     from pairforge.pipeline.download_stage import run_download
     from pairforge.pipeline.entry import RunOptions
 
     monkeypatch.setattr(tempfile, "tempdir", None)  # the workers' temporary folder
-    shared = Path(tempfile.gettempdir()) / "pairforge-consent"
-    before = set(shared.iterdir()) if shared.exists() else set()
+    # this run's cache folder, by the run id the stage removes it by: the other test worker
+    # may make and remove its own beside it meanwhile
+    removed: list[str] = []
+    original = download_stage.remove_cache
+    monkeypatch.setattr(download_stage, "remove_cache",
+                        lambda run_id: (removed.append(run_id), original(run_id)))
     server.answer(ROBOTS, "User-agent: *\nDisallow: /img/private\n")
     with PolicyServer(images, "127.0.0.2") as other:
         other.answer(TDMREP, json.dumps([{"location": "/img/blue", "tdm-reservation": 1}]))
@@ -289,7 +295,7 @@ def test_stage1_on_ray_fetches_each_file_once_per_host(tmp_path, images, server,
              for f in sorted((tmp_path / "out" / "raw").glob("*_stats.json"))]
     assert len(stats) == 3 and all(s["opted_out"] == {"robots": 1, "tdm": 1} for s in stats)
     assert merge_stats(stats)["fetched"] == {ROBOTS: 2, TDMREP: 2}
-    assert (set(shared.iterdir()) if shared.exists() else set()) == before
+    assert len(removed) == 1 and not cache_dir(removed[0]).exists()
 
 
 # --------------------------------------------------------------------------- TDM
