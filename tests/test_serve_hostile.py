@@ -151,6 +151,16 @@ def _timed(call, *args, **kw) -> tuple[requests.Response, float]:  # noqa: ANN00
     return response, time.monotonic() - started
 
 
+def _health_and_caption_answer(url: str, label: str, image: int) -> None:
+    """/healthz and a caption (of sample ``image``) both answer 200 within LOADED_S."""
+    health, health_s = _timed(requests.get, url + "/healthz", timeout=30)
+    caption, caption_s = _timed(_caption, url, image, headers=AUTH)
+    _record(f"{label}: /healthz", health_s)
+    _record(f"{label}: caption", caption_s)
+    assert (health.status_code, caption.status_code) == (200, 200)
+    assert health_s < LOADED_S and caption_s < LOADED_S, (health_s, caption_s)
+
+
 def _record(name: str, seconds: float) -> None:
     """A measured time, added to the JSON lines file ``$PAIRFORGE_HOSTILE_FIGURES`` names
     (bench/RESULTS.md quotes them; the asserts allow LOADED_S)."""
@@ -313,24 +323,14 @@ def test_half_open_connections_and_slow_bodies_leave_health_and_captions_answeri
         half_open = _open_from("127.0.0.2", guarded.port, 4200,
                                b"POST /v1/captions HTTP/1.1\r\nHost: x\r\nContent-")
         held += half_open
-        health, health_s = _timed(requests.get, guarded.url + "/healthz", timeout=30)
-        caption, caption_s = _timed(_caption, guarded.url, 30, headers=AUTH)
-        _record("4200 half-open: /healthz", health_s)
-        _record("4200 half-open: caption", caption_s)
-        assert (health.status_code, caption.status_code) == (200, 200)
-        assert health_s < LOADED_S and caption_s < LOADED_S, (health_s, caption_s)
+        _health_and_caption_answer(guarded.url, "4200 half-open", 30)
         assert 240 <= _still_open(half_open) <= 256
         for source in range(5, 10):
             held += _open_from(f"127.0.0.{source}", guarded.port, 60,
                                b"POST /v1/captions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                                b"image/png\r\nAuthorization: Bearer " + TOKEN.encode()
                                + b"\r\nContent-Length: 1000000\r\n\r\n\x89PNG")
-        health, health_s = _timed(requests.get, guarded.url + "/healthz", timeout=30)
-        caption, caption_s = _timed(_caption, guarded.url, 31, headers=AUTH)
-        _record("+300 slow bodies: /healthz", health_s)
-        _record("+300 slow bodies: caption", caption_s)
-        assert (health.status_code, caption.status_code) == (200, 200)
-        assert health_s < LOADED_S and caption_s < LOADED_S, (health_s, caption_s)
+        _health_and_caption_answer(guarded.url, "+300 slow bodies", 31)
         late.setblocking(True)
         late.settimeout(10)
         assert late.recv(100).startswith(b"HTTP/1.1 408")
