@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairforge.filters.dedup import DUPLICATES_SCHEMA
+from pairforge.dedup.decide import DUPLICATES_SCHEMA
 from pairforge.records import make_key
 
 READER = """

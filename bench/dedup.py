@@ -56,13 +56,13 @@ import numpy as np
 from PIL import Image, ImageEnhance, ImageOps
 
 from pairforge.config import DedupConfig
-from pairforge.filters.dedup import (
+from pairforge.dedup.decide import (
     HASH_BITS,
     local_mapper,
     near_pairs,
     plan_bands,
 )
-from pairforge.filters.hashing import phash_u64
+from pairforge.dedup.hashing import phash_u64
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the quadratic references
 from references import all_pairs_count  # noqa: E402

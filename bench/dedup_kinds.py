@@ -18,11 +18,11 @@ import pyarrow as pa
 from PIL import Image, ImageEnhance, ImageOps
 
 from pairforge.config import DedupConfig, ImageConfig
+from pairforge.dedup.decide import ROWS_SCHEMA, find_duplicates, local_mapper
+from pairforge.dedup.grids import GridCheck
+from pairforge.dedup.hashing import perceptual_hashes, phash_u64
+from pairforge.dedup.semantic import default_clusters, semantic_duplicates
 from pairforge.download.imageproc import ProcessedImage, process_image
-from pairforge.filters.dedup import ROWS_SCHEMA, find_duplicates, local_mapper
-from pairforge.filters.grids import GridCheck
-from pairforge.filters.hashing import perceptual_hashes, phash_u64
-from pairforge.filters.semantic import default_clusters, semantic_duplicates
 from pairforge.records import make_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the quadratic references
@@ -183,7 +183,7 @@ def _closest(originals: list[dict]) -> None:
 
 def _old_phash(image: Image.Image) -> int:
     """The phash before issue 19 (integer box pre-reduction), for its cost only."""
-    from pairforge.filters.hashing import _DCT_ROWS, _bits
+    from pairforge.dedup.hashing import _DCT_ROWS, _bits
 
     grey = image.convert("L")
     factor = min(grey.size) // 64

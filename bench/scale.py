@@ -156,8 +156,8 @@ ORACLE = textwrap.dedent("""
     import json, sys, time
     import pyarrow as pa, pyarrow.parquet as pq
     from pathlib import Path
-    from pairforge.filters.dedup import find_duplicates
-    from pairforge.filters.dedup_parts import read_hash_columns
+    from pairforge.dedup.decide import find_duplicates
+    from pairforge.dedup.partitions import read_hash_columns
     raw, out = Path(sys.argv[1]), Path(sys.argv[2])
     started = time.perf_counter()
     rows = pa.concat_tables([read_hash_columns(str(f), {})[0]
@@ -238,7 +238,7 @@ SHARDS_PLAN_DRIVER = textwrap.dedent("""
 def measure_shards(rows: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Stage 3's plan over a duplicates table of a tenth of ``rows`` (10^4-row shards):
     the counts it holds now against the dict of every decision it held before."""
-    from pairforge.filters.dedup import DUPLICATES_SCHEMA
+    from pairforge.dedup.decide import DUPLICATES_SCHEMA
     from pairforge.records import make_key
 
     rng = np.random.default_rng(args.seed)

@@ -83,19 +83,19 @@ from photoset import describe, photo_set  # noqa: E402
 from webhost import start_hosts  # noqa: E402
 
 from pairforge.config import DownloadConfig, ImageConfig, load_config  # noqa: E402
+from pairforge.dedup.grids import colour_grid  # noqa: E402
+from pairforge.dedup.hashing import (  # noqa: E402
+    perceptual_hashes,
+    phash_u64,
+    pixel_hash_hex,
+    sha256_hex,
+)
 from pairforge.download import imageproc, jpegdecode  # noqa: E402
 from pairforge.download import shard as download  # noqa: E402
 from pairforge.download.fetch import Fetcher  # noqa: E402
 from pairforge.download.imageproc import process_image  # noqa: E402
 from pairforge.download.memory_guard import MemoryGuard  # noqa: E402
 from pairforge.download.resample import downscale  # noqa: E402
-from pairforge.filters.grids import colour_grid  # noqa: E402
-from pairforge.filters.hashing import (  # noqa: E402
-    perceptual_hashes,
-    phash_u64,
-    pixel_hash_hex,
-    sha256_hex,
-)
 from pairforge.pipeline.download_stage import input_shards  # noqa: E402
 from pairforge.pipeline.settings import settings_record, stage_settings  # noqa: E402
 from pairforge.shards import raw  # noqa: E402

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pairforge.filters.semantic import cluster_pairs, normalise
+from pairforge.dedup.semantic import cluster_pairs, normalise
 
 
 def all_pairs_count(hashes: np.ndarray, max_distance: int, chunk: int = 2048) -> int:

@@ -1,8 +1,8 @@
 """The layer rule of docs/ARCHITECTURE.md, checked on every module's imports.
 
 Layers, lowest first: the ground floor (config, records, stage, images, batching, retry,
-tables, machine); the domain packages (download, filters, tokenizers, recaption, shards, train,
-sample, scenes); pipeline and serve (Ray orchestration, the service on Ray Serve); cli
+tables, machine); the domain packages (download, dedup, filters, tokenizers, recaption, shards,
+train, sample, scenes); pipeline and serve (Ray orchestration, the service on Ray Serve); cli
 (verbs). A module may import its own layer and those below it, never one above: a domain
 package that needs the pipeline has its logic in the wrong place. Only pipeline/ and
 serve/ import Ray (the recaption step's claim registry, a named actor, aside), and no
@@ -17,7 +17,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "pairforge"
 GROUND = {"config", "records", "stage", "images", "batching", "retry", "tables", "machine",
           "__init__"}
-DOMAIN = {"download", "filters", "tokenizers", "recaption", "shards", "train", "sample", "scenes"}
+DOMAIN = {"download", "dedup", "filters", "tokenizers", "recaption", "shards", "train", "sample",
+          "scenes"}
 LAYERS = {"ground": 0, "domain": 1, "pipeline": 2, "cli": 3}
 
 

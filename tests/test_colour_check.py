@@ -17,10 +17,9 @@ from conftest import COCO_IMAGES
 from PIL import Image, ImageEnhance, ImageOps
 
 from pairforge.config import DedupConfig, ImageConfig
-from pairforge.download.imageproc import ProcessedImage, process_image
-from pairforge.filters import grids
-from pairforge.filters.dedup import INDEX_SCHEMA, ROWS_SCHEMA, find_duplicates
-from pairforge.filters.grids import (
+from pairforge.dedup import grids
+from pairforge.dedup.decide import INDEX_SCHEMA, ROWS_SCHEMA, find_duplicates
+from pairforge.dedup.grids import (
     FRAMES,
     GRID_BYTES,
     GRID_SIDE,
@@ -29,6 +28,7 @@ from pairforge.filters.grids import (
     colour_grid,
     legacy_form,
 )
+from pairforge.download.imageproc import ProcessedImage, process_image
 from pairforge.scenes.world import COLOURS, render, scenes
 
 CHECKS = GridCheck.of(DedupConfig())  # the defaults: colour, structure, mirrors count

@@ -24,8 +24,7 @@ from conftest import COCO_IMAGES
 from PIL import Image, ImageEnhance, ImageOps
 
 from pairforge.config import DedupConfig, ImageConfig, RayConfig
-from pairforge.download.imageproc import ProcessedImage, process_image
-from pairforge.filters.dedup import (
+from pairforge.dedup.decide import (
     DEGENERATE_MIN_BITS,
     ROWS_SCHEMA,
     _brute_pairs,
@@ -38,7 +37,8 @@ from pairforge.filters.dedup import (
     plan_bands,
     prepare_rows,
 )
-from pairforge.filters.hashing import CROP_FRACTIONS, perceptual_hashes, phash_u64
+from pairforge.dedup.hashing import CROP_FRACTIONS, perceptual_hashes, phash_u64
+from pairforge.download.imageproc import ProcessedImage, process_image
 from pairforge.records import Status, make_key, raw_schema
 
 T = DedupConfig().max_distance

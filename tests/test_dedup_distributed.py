@@ -26,8 +26,8 @@ from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
 from pairforge.config import DedupConfig, RayConfig
-from pairforge.filters.components import EDGE_SCHEMA, LABEL_SCHEMA, write_edges
-from pairforge.filters.shuffle import mix64, read_part, string_hash, write_parts
+from pairforge.dedup.components import EDGE_SCHEMA, LABEL_SCHEMA, write_edges
+from pairforge.dedup.shuffle import mix64, read_part, string_hash, write_parts
 from pairforge.records import Status
 
 RAY = RayConfig(num_cpus=2)
@@ -157,7 +157,7 @@ def test_components_match_scipy_on_random_graphs(tmp_path):
     """Large-star/small-star over partitioned edge files finds scipy's components."""
     import fsspec
 
-    from pairforge.filters.components import large_star, small_star
+    from pairforge.dedup.components import large_star, small_star
 
     fs = fsspec.filesystem("file")
     rng = np.random.default_rng(0)

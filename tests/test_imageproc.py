@@ -14,6 +14,7 @@ from conftest import COCO_IMAGES
 from PIL import Image, JpegImagePlugin
 
 from pairforge.config import ImageConfig
+from pairforge.dedup.hashing import PIXEL_HASH, phash_u64
 from pairforge.download import jpegdecode
 from pairforge.download.imageproc import (
     ImageFailure,
@@ -22,7 +23,6 @@ from pairforge.download.imageproc import (
     process_image,
 )
 from pairforge.download.resample import downscale
-from pairforge.filters.hashing import PIXEL_HASH, phash_u64
 from pairforge.records import Status
 
 COCO = COCO_IMAGES  # the repository's real test photos (tests/data/README.md)
@@ -467,7 +467,7 @@ def test_phash_is_imagehash_phash(image):
 def _pillow_hashes(image: Image.Image) -> tuple[int, ...]:
     """perceptual_hashes as it was written before the thumbnails became matrix products:
     Pillow's Lanczos resize of each box, np.median of each block."""
-    from pairforge.filters import hashing
+    from pairforge.dedup import hashing
 
     grey = hashing._intermediate(image)
     side = hashing._INTERMEDIATE_SIDE
@@ -486,7 +486,7 @@ def _pillow_hashes(image: Image.Image) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_thumbnails_are_pillows_lanczos_bit_for_bit(seed):
-    from pairforge.filters import hashing
+    from pairforge.dedup import hashing
 
     rng = np.random.default_rng(seed)
     kinds = [rng.integers(0, 256, (128, 128)),  # noise: every rounding and clip in play
@@ -507,7 +507,7 @@ def test_thumbnails_are_pillows_lanczos_bit_for_bit(seed):
     Image.new("RGB", (100, 100), (3, 4, 5)),
 ], ids=["noise", "smooth", "blobs", "small", "flat"])
 def test_perceptual_hashes_match_the_pillow_reference(image):
-    from pairforge.filters.hashing import perceptual_hashes
+    from pairforge.dedup.hashing import perceptual_hashes
 
     found = perceptual_hashes(image)
     assert (found.phash, found.phash_mirror, *found.crop_phashes) == _pillow_hashes(image)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairforge.filters.dedup import DUPLICATES_SCHEMA
+from pairforge.dedup.decide import DUPLICATES_SCHEMA
 from pairforge.pipeline.plan import Decisions
 from pairforge.records import make_key
 
@@ -40,7 +40,7 @@ def test_counts_and_one_shards_range(tmp_path):
 def test_merge_sorted_streams_two_sorted_tables_into_one():
     import random
 
-    from pairforge.filters.dedup_parts import merge_sorted
+    from pairforge.dedup.partitions import merge_sorted
 
     rng = random.Random(3)
     for _ in range(50):

@@ -22,7 +22,7 @@ from golden import tiny_clip
 from PIL import Image
 
 from pairforge.config import parse_config
-from pairforge.filters.hashing import phash_u64, pixel_hash_hex
+from pairforge.dedup.hashing import phash_u64, pixel_hash_hex
 from pairforge.recaption import step as step_module
 from pairforge.recaption.cache import CachedCaption, CaptionCache, cache_dir
 from pairforge.recaption.step import RecaptionStep

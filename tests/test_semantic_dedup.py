@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from references import brute_force_pairs
 
-from pairforge.filters.semantic import (
+from pairforge.dedup.semantic import (
     assign,
     cluster_pairs,
     duplicates_from_pairs,
@@ -82,7 +82,7 @@ def test_in_cluster_search_is_exactly_brute_force_within_each_cluster():
 
 def test_blocked_pair_search_matches_the_whole_matrix(monkeypatch):
     """The block loop (4,096 rows a block in production) misses no pair at block edges."""
-    import pairforge.filters.semantic as semantic
+    import pairforge.dedup.semantic as semantic
 
     monkeypatch.setattr(semantic, "_BLOCK", 7)
     x, _ = planted(300, 16, 60, seed=2, topics=3)

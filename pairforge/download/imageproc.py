@@ -66,15 +66,15 @@ from PIL import (
 )
 
 from pairforge.config import ImageConfig
-from pairforge.download import jpegdecode
-from pairforge.download.resample import downscale as _downscale
-from pairforge.filters.grids import colour_grid
-from pairforge.filters.hashing import (
+from pairforge.dedup.grids import colour_grid
+from pairforge.dedup.hashing import (
     perceptual_hashes,
     phash_u64,
     pixel_hash_hex,
     sha256_hex,
 )
+from pairforge.download import jpegdecode
+from pairforge.download.resample import downscale as _downscale
 from pairforge.records import Status
 
 # Formats a web image can reasonably be. Others Pillow knows are refused as not_an_image:

@@ -34,17 +34,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairforge.config import DedupConfig, PairforgeConfig, RayConfig
-from pairforge.filters import dedup_parts as parts
-from pairforge.filters.dedup import DUPLICATES_SCHEMA, HASH_BITS, HASH_KINDS, plan_bands
-from pairforge.filters.dedup_parts import InputFile, Work
-from pairforge.filters.grids import GridCheck
-from pairforge.pipeline.dedup_append import (
+from pairforge.dedup import partitions as parts
+from pairforge.dedup.append import (
     INDEX_FILE,
     added_to,
     covered_table,
     plan_append,
     write_covered,
 )
+from pairforge.dedup.decide import DUPLICATES_SCHEMA, HASH_BITS, HASH_KINDS, plan_bands
+from pairforge.dedup.grids import GridCheck
+from pairforge.dedup.partitions import InputFile, Work
 from pairforge.pipeline.entry import RunOptions
 from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.pipeline.waves import READ_CPUS, Waves, cluster_cpus, components

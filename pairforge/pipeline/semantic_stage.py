@@ -39,9 +39,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError, PairforgeConfig, SemanticDedupConfig
-from pairforge.filters.dedup_parts import Work, concat_sorted, sort_range
-from pairforge.filters.semantic import SEMANTIC_SCHEMA, default_clusters, kmeans, sample_size
-from pairforge.filters.semantic_parts import (
+from pairforge.dedup.partitions import Work, concat_sorted, sort_range
+from pairforge.dedup.semantic import SEMANTIC_SCHEMA, default_clusters, kmeans, sample_size
+from pairforge.dedup.semantic_partitions import (
     SemanticWork,
     assign_unit,
     attach,

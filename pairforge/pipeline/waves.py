@@ -13,8 +13,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pairforge.filters import dedup_parts as parts
-from pairforge.filters.dedup_parts import Work
+from pairforge.dedup import partitions as parts
+from pairforge.dedup.partitions import Work
 
 # Every task but the reading ones is numpy on one core. No task waits on another, so these
 # cannot deadlock even a 1-CPU Ray instance.

@@ -29,7 +29,7 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 
-from pairforge.filters.shuffle import mix64, part_of, read_part, write_parts, write_table
+from pairforge.dedup.shuffle import mix64, part_of, read_part, write_parts, write_table
 
 EDGE_SCHEMA = pa.schema([pa.field("u", pa.int64()), pa.field("v", pa.int64())])
 LABEL_SCHEMA = pa.schema([pa.field("node", pa.int64()), pa.field("label", pa.int64())])

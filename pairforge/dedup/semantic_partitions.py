@@ -35,17 +35,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pairforge.filters.components import LABEL_SCHEMA, write_edges
-from pairforge.filters.dedup import best_of_groups, survivor_order
-from pairforge.filters.dedup_parts import Work, key_range_of
-from pairforge.filters.semantic import (
+from pairforge.dedup.components import LABEL_SCHEMA, write_edges
+from pairforge.dedup.decide import best_of_groups, survivor_order
+from pairforge.dedup.partitions import Work, key_range_of
+from pairforge.dedup.semantic import (
     SEMANTIC_SCHEMA,
     assign,
     cluster_pairs,
     normalise,
     sample_mask,
 )
-from pairforge.filters.shuffle import (
+from pairforge.dedup.shuffle import (
     mix64,
     part_of,
     read_part,

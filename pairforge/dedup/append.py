@@ -22,8 +22,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairforge.filters.dedup import HASH_KINDS
-from pairforge.filters.dedup_parts import retry_runs
+from pairforge.dedup.decide import HASH_KINDS
+from pairforge.dedup.partitions import retry_runs
 from pairforge.shards.storage import atomic_writer
 
 COVERED_FILE = "covered.parquet"

@@ -37,8 +37,8 @@ import pyarrow.compute as pc
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from pairforge.filters.dedup import survivor_order
-from pairforge.filters.shuffle import mix64, string_hash
+from pairforge.dedup.decide import survivor_order
+from pairforge.dedup.shuffle import mix64, string_hash
 from pairforge.records import Status
 
 SEMANTIC_SCHEMA = pa.schema([

@@ -36,7 +36,7 @@ import numpy as np
 from PIL import Image
 
 from pairforge.config import DedupConfig
-from pairforge.filters.hashing import CROP_FRACTIONS
+from pairforge.dedup.hashing import CROP_FRACTIONS
 
 GRID_SIDE, _CHANNELS = 16, 3
 # what each perceptual point (filters/dedup.points_of's columns) sees: the whole image,

@@ -62,7 +62,7 @@ import pyarrow.compute as pc
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from pairforge.filters.grids import (
+from pairforge.dedup.grids import (
     POINT_FRACTIONS,
     POINTS,
     GridCheck,
@@ -74,7 +74,7 @@ from pairforge.filters.grids import (
     readable,
     view_grid,
 )
-from pairforge.filters.hashing import PIXEL_HASH
+from pairforge.dedup.hashing import PIXEL_HASH
 from pairforge.records import Status
 
 HASH_BITS = 64

@@ -47,14 +47,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pairforge.filters.components import (
+from pairforge.dedup.components import (
     LABEL_SCHEMA,
     StepResult,
     large_star,
     small_star,
     write_edges,
 )
-from pairforge.filters.dedup import (
+from pairforge.dedup.decide import (
     DUPLICATES_SCHEMA,
     HASH_BITS,
     HASH_KINDS,
@@ -78,8 +78,8 @@ from pairforge.filters.dedup import (
     survivor_order,
     survivor_rank,
 )
-from pairforge.filters.grids import GridCheck
-from pairforge.filters.shuffle import (
+from pairforge.dedup.grids import GridCheck
+from pairforge.dedup.shuffle import (
     mix64,
     part_of,
     read_part,
