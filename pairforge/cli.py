@@ -14,9 +14,9 @@ from rich.markup import escape
 
 from pairforge import __version__
 from pairforge.config import ConfigError, PairforgeConfig, load_config
+from pairforge.inspection.summary import status_table
 from pairforge.pipeline.entry import RunOptions
 from pairforge.pipeline.progress import console
-from pairforge.shards.inspect import status_table
 from pairforge.shards.labels import I2T, IMG, T2I
 from pairforge.tokenizers.cli import app as tokenizers_app
 from pairforge.train.cli import sample as sample_command
@@ -209,8 +209,8 @@ def _data_console() -> Console:
 @app.command()
 def inspect(path: PathArg, json_: JsonOpt = False) -> None:
     """The dataset at a glance: funnel, token budget per task, shards, models."""
+    from pairforge.inspection.summary import inspect_data, inspect_view
     from pairforge.shards.dataset import open_dataset
-    from pairforge.shards.inspect import inspect_data, inspect_view
 
     _run_guarded(open_dataset, path)  # not a dataset: say so, exit 2
     if json_:
@@ -232,7 +232,7 @@ def show(path: PathArg,
              "--duplicates", help="dropped duplicates (of --status's kind, or all), each "
              "beside the row that was kept")] = False) -> None:
     """A contact sheet: image, VQ reconstruction, task, CLIP score and caption."""
-    from pairforge.shards.show import show as make_sheet
+    from pairforge.inspection.contact_sheet import show as make_sheet
 
     notes: list[str] = []
     shown = _run_guarded(make_sheet, path, output, task and task.value, grep, n, None, notes,
@@ -250,7 +250,7 @@ def report(path: PathArg,
            output: Annotated[str, typer.Option("-o", "--output", help="HTML to write")]
            = "report.html") -> None:
     """One self-contained HTML page: funnel, CLIP scores, budget along shards, token counts."""
-    from pairforge.shards.report import write_report
+    from pairforge.inspection.report import write_report
 
     _run_guarded(write_report, path, output)
     console.print(f"report → [b]{output}[/b]")
@@ -259,8 +259,8 @@ def report(path: PathArg,
 @app.command()
 def verify(path: PathArg, json_: JsonOpt = False) -> None:
     """Re-read every tar and check it against manifest.json; exit 1 on any problem."""
+    from pairforge.inspection.verify import verify_dataset
     from pairforge.shards.dataset import open_dataset
-    from pairforge.shards.verify import verify_dataset
 
     _run_guarded(open_dataset, path)  # not a dataset is a user error (2), not a finding (1)
     problems = verify_dataset(path)
@@ -298,7 +298,7 @@ def cost(path: PathArg,
              "answers")] = 0.0,
          json_: JsonOpt = False) -> None:
     """What captioning this build cost per image, and a backfill and a daily rate would."""
-    from pairforge.shards.cost import from_manifest, lines
+    from pairforge.inspection.cost import from_manifest, lines
     from pairforge.shards.dataset import open_dataset
 
     _, manifest = _run_guarded(open_dataset, path)

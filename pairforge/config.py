@@ -572,7 +572,7 @@ class ProcessConfig(Strict):
 
 
 class CostConfig(Strict):
-    """Prices for ``pairforge cost`` (pairforge/shards/cost.py): the design's figures."""
+    """Prices for ``pairforge cost`` (pairforge/inspection/cost.py): the design's figures."""
 
     price_per_device_second: float = Field(
         0.00069, gt=0, description="dollars per second of the device the model steps run on "

@@ -455,9 +455,9 @@ def test_kept_samples_carry_every_score_typed_alike(built):
 def test_manifest_inspect_report_and_show_cover_the_classifiers(built, tmp_path):
     from rich.console import Console
 
-    from pairforge.shards.inspect import inspect_view
-    from pairforge.shards.report import render_report
-    from pairforge.shards.show import show
+    from pairforge.inspection.contact_sheet import show
+    from pairforge.inspection.report import render_report
+    from pairforge.inspection.summary import inspect_view
 
     out, expected = built["out"], built["expected"]
     unsafe = sum(s == "unsafe" for s in expected.values())
@@ -476,7 +476,7 @@ def test_manifest_inspect_report_and_show_cover_the_classifiers(built, tmp_path)
     page = render_report(str(out))
     # funnel, CLIP, one histogram per classifier score (no tokens here)
     assert page.count("data:image/png;base64,") == 4
-    from pairforge.shards.verify import verify_dataset
+    from pairforge.inspection.verify import verify_dataset
 
     assert verify_dataset(str(out)) == []
     sheet = tmp_path / "unsafe.png"

@@ -11,7 +11,7 @@ from tiny_dataset import write_tiny_dataset
 from typer.testing import CliRunner
 
 from pairforge.cli import app
-from pairforge.shards.show import (
+from pairforge.inspection.contact_sheet import (
     LABEL_HEIGHT,
     LINE_HEIGHT,
     PAD,

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from pairforge.cli import app
 from pairforge.config import PairforgeConfig
-from pairforge.shards.cost import estimate, from_manifest, lines
+from pairforge.inspection.cost import estimate, from_manifest, lines
 
 
 def _manifest(model: int, cached: int, recaption_s: float, price: float | None = None) -> dict:

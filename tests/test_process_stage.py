@@ -480,7 +480,7 @@ def _rewrite_tar(path: Path, edit) -> None:
 
 
 def test_verify_passes_a_good_dataset(tokenized_dataset):
-    from pairforge.shards.verify import verify_dataset
+    from pairforge.inspection.verify import verify_dataset
 
     assert verify_dataset(str(tokenized_dataset)) == []
     cli = subprocess.run([sys.executable, "-m", "pairforge.cli", "verify",
@@ -489,7 +489,7 @@ def test_verify_passes_a_good_dataset(tokenized_dataset):
 
 
 def test_verify_catches_a_deleted_sample(tokenized_dataset, tmp_path):
-    from pairforge.shards.verify import verify_dataset
+    from pairforge.inspection.verify import verify_dataset
 
     data = _copy(tokenized_dataset, tmp_path)
     _rewrite_tar(data / "shards" / "00001.tar",
@@ -504,7 +504,7 @@ def test_verify_catches_a_deleted_sample(tokenized_dataset, tmp_path):
 def test_verify_names_a_member_without_an_extension(tokenized_dataset, tmp_path):
     import tarfile
 
-    from pairforge.shards.verify import verify_dataset
+    from pairforge.inspection.verify import verify_dataset
 
     data = _copy(tokenized_dataset, tmp_path)
     _rewrite_tar(data / "shards" / "00001.tar",
@@ -514,7 +514,7 @@ def test_verify_names_a_member_without_an_extension(tokenized_dataset, tmp_path)
 
 
 def test_verify_catches_a_truncated_tar(tokenized_dataset, tmp_path):
-    from pairforge.shards.verify import verify_dataset
+    from pairforge.inspection.verify import verify_dataset
 
     data = _copy(tokenized_dataset, tmp_path)
     tar = data / "shards" / "00002.tar"
@@ -524,7 +524,7 @@ def test_verify_catches_a_truncated_tar(tokenized_dataset, tmp_path):
 
 
 def test_verify_catches_an_edited_token_file(tokenized_dataset, tmp_path):
-    from pairforge.shards.verify import verify_dataset
+    from pairforge.inspection.verify import verify_dataset
 
     data = _copy(tokenized_dataset, tmp_path)
 
@@ -543,7 +543,7 @@ def test_verify_catches_an_edited_token_file(tokenized_dataset, tmp_path):
 
 
 def test_verify_catches_a_manifest_whose_budget_is_off(tokenized_dataset, tmp_path):
-    from pairforge.shards.verify import verify_dataset
+    from pairforge.inspection.verify import verify_dataset
 
     data = _copy(tokenized_dataset, tmp_path)
     manifest = json.loads((data / "manifest.json").read_text())
@@ -574,7 +574,7 @@ def test_show_writes_a_contact_sheet_with_reconstructions(tokenized_dataset, tmp
                          capture_output=True, text=True)
     assert cli.returncode == 0, cli.stderr
     image = Image.open(sheet)
-    from pairforge.shards.show import LABEL_HEIGHT, LINE_HEIGHT, PAD, TEXT_LINES, TILE
+    from pairforge.inspection.contact_sheet import LABEL_HEIGHT, LINE_HEIGHT, PAD, TEXT_LINES, TILE
 
     # 4 columns of image + reconstruction (2 x 192 px), 2 rows for 6 samples
     assert image.size == (4 * 2 * TILE,

@@ -30,10 +30,10 @@ from pairforge.download.alt_text import (
 )
 from pairforge.filters.clip import ClipCandidatesStep, ClipScorer, ClipStep, ClipTrainingStep
 from pairforge.images import decode_rgb
+from pairforge.inspection.report import render_report
 from pairforge.recaption.choice import Choice, TrainingCaptionStep, recaption_first_choice
 from pairforge.records import Status
 from pairforge.scenes.world import render, scenes
-from pairforge.shards.report import render_report
 
 SAMPLE = Path(__file__).resolve().parents[1] / "pairforge" / "sample"
 

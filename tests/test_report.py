@@ -15,7 +15,7 @@ from tiny_dataset import write_tiny_dataset
 from typer.testing import CliRunner
 
 from pairforge.cli import app
-from pairforge.shards.report import SECTIONS, render_report
+from pairforge.inspection.report import SECTIONS, render_report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -116,7 +116,7 @@ def test_the_page_renders_in_headless_chromium(dataset, tmp_path):
 
 def test_charts_read_evenly_spaced_shards_up_to_a_bound():
     """At 10^9 rows the page cannot read every row: the charts take every k-th shard."""
-    from pairforge.shards.report import sampled_shards
+    from pairforge.inspection.report import sampled_shards
 
     manifest = {"shards": [{"name": f"{i:05d}.tar", "samples": 10_000} for i in range(1_000)]}
     chosen = sampled_shards(manifest, most_rows=200_000)
@@ -126,7 +126,7 @@ def test_charts_read_evenly_spaced_shards_up_to_a_bound():
 
 
 def test_a_sampled_page_says_so(dataset, monkeypatch):
-    import pairforge.shards.report as report
+    import pairforge.inspection.report as report
 
     manifest = json.loads((dataset / "manifest.json").read_text())
     manifest["shards"].append({**manifest["shards"][0], "name": "00001.tar"})

@@ -279,8 +279,8 @@ def test_stage3_drops_semantic_copies_beside_their_kept_rows(tmp_path, tiny_clip
     again = run_process(cfg, RunOptions(show_progress=False))
     assert again["semantic_dedup"] == summary["semantic_dedup"]
     # every decision explained: counts per kind, and each dropped row beside the kept one
-    from pairforge.shards.duplicates import summary_lines
-    from pairforge.shards.show import TILE, show
+    from pairforge.inspection.contact_sheet import TILE, show
+    from pairforge.inspection.duplicates import summary_lines
 
     final = json.loads((raw / "manifest.json").read_text())["funnel"]["final"]
     lines = summary_lines(_out(raw), final)

@@ -304,7 +304,7 @@ def test_show_where_the_tokenizer_path_does_not_resolve_notes_it_and_draws(tmp_p
     assert "Traceback" not in result.output
     assert ("note: no VQ reconstructions: the image tokenizer models/vq-built-elsewhere does "
             "not load from here") in result.output
-    from pairforge.shards.show import LABEL_HEIGHT, LINE_HEIGHT, PAD, TEXT_LINES, TILE
+    from pairforge.inspection.contact_sheet import LABEL_HEIGHT, LINE_HEIGHT, PAD, TEXT_LINES, TILE
 
     # one image per tile (no reconstruction column)
     assert Image.open(tmp_path / "s.png").size == (

@@ -249,7 +249,7 @@ def show(path: str, output: str, task: str | None = None, grep: str | None = Non
 def _duplicates_sheet(out: OutputDir, output: str, kind: str | None, grep: str | None,
                       n: int) -> int:
     """Dropped duplicates, each with the image of the row it was dropped for beside it."""
-    from pairforge.shards.duplicates import DUPLICATE_KINDS, duplicate_pairs
+    from pairforge.inspection.duplicates import DUPLICATE_KINDS, duplicate_pairs
 
     if kind is not None and kind not in DUPLICATE_KINDS:
         raise ConfigError(f"--duplicates --status {kind}: not a duplicate kind (known: "

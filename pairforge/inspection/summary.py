@@ -8,10 +8,10 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from pairforge.inspection.cost import from_manifest
+from pairforge.inspection.cost import lines as cost_lines
+from pairforge.inspection.duplicates import summary_lines
 from pairforge.records import STATUS_HELP, Status
-from pairforge.shards.cost import from_manifest
-from pairforge.shards.cost import lines as cost_lines
-from pairforge.shards.duplicates import summary_lines
 from pairforge.shards.failures import breakdown_note, breakdown_rows
 from pairforge.shards.storage import MANIFEST, OutputDir
 
@@ -96,7 +96,7 @@ def _models(manifest: dict[str, Any]) -> Text:
                      f"rows ({origin}); abstained {recaption['abstained']:,}, attributes "
                      f"removed in {recaption['rows_with_attributes_removed']:,}, regenerated "
                      f"{recaption['regenerated']:,}; training caption: {source}")
-    if manifest.get("steps"):  # the cost of the build per image and projected (shards/cost.py)
+    if manifest.get("steps"):  # the cost of the build per image and projected (cost.py)
         lines += [f"cost: {line}" for line in cost_lines(from_manifest(manifest))]
     if vocab:
         image, text = vocab["image_tokenizer"], vocab["text_tokenizer"]

@@ -22,10 +22,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError
+from pairforge.inspection import report_plots as plots
+from pairforge.inspection.duplicates import summary_lines
 from pairforge.records import STATUS_HELP, Status
-from pairforge.shards import report_plots as plots
 from pairforge.shards.dataset import check_output_folder, open_dataset
-from pairforge.shards.duplicates import summary_lines
 from pairforge.shards.failures import breakdown_note, breakdown_rows
 from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, SHARDS_FOLDER, OutputDir
 
@@ -245,7 +245,7 @@ def _recaption(rows: pa.Table, manifest: dict[str, Any]) -> str:
 
 
 def _thumbnails(out: OutputDir, n: int = 12) -> str:
-    from pairforge.shards.show import sample_image, select_samples
+    from pairforge.inspection.contact_sheet import sample_image, select_samples
 
     tiles = []
     for sample in select_samples(out, None, None, n):
@@ -289,7 +289,7 @@ def _timings(out: OutputDir, manifest: dict[str, Any]) -> str:
 
 
 def _cost(manifest: dict[str, Any]) -> str:
-    from pairforge.shards.cost import from_manifest, lines
+    from pairforge.inspection.cost import from_manifest, lines
 
     if not manifest.get("steps"):
         return _section("cost", "Cost", _note("no step seconds in the manifest"))
