@@ -34,6 +34,7 @@ from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.exceptions import ProtocolError, SSLError
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
+from pairforge.backoff import parse_retry_after
 from pairforge.download.address_guard import BlockedAddress
 from pairforge.download.fetch import (
     _CHUNK,
@@ -50,7 +51,6 @@ from pairforge.download.fetch import (
     robots_opt_out,
 )
 from pairforge.records import Status
-from pairforge.retry import parse_retry_after
 
 _local = threading.local()  # the calling thread's request: its deadline, its connection
 

@@ -1,6 +1,6 @@
 """The layer rule of docs/ARCHITECTURE.md, checked on every module's imports.
 
-Layers, lowest first: the ground floor (config, records, stage, images, batching, retry,
+Layers, lowest first: the ground floor (config, records, stage, images, batching, backoff,
 tables, machine); the domain packages (download, dedup, filters, tokenizers, recaption,
 shards, inspection, train, sample, scenes); pipeline and serve (Ray orchestration, the
 service on Ray Serve); cli (verbs). A module may import its own layer and those below it,
@@ -16,7 +16,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pairforge"
-GROUND = {"config", "records", "stage", "images", "batching", "retry", "tables", "machine",
+GROUND = {"config", "records", "stage", "images", "batching", "backoff", "tables", "machine",
           "__init__"}
 DOMAIN = {"download", "dedup", "filters", "tokenizers", "recaption", "shards", "inspection",
           "train", "sample", "scenes"}

@@ -20,6 +20,7 @@ import pytest
 from loopback_server import LoopbackServer, loopback_download_config, make_bomb_png, pixel_count
 
 from pairforge import __version__
+from pairforge.backoff import backoff_seconds, parse_retry_after
 from pairforge.download import fetch as fetch_module
 from pairforge.download.fetch import (
     Fetcher,
@@ -27,7 +28,6 @@ from pairforge.download.fetch import (
     robots_opt_out,
 )
 from pairforge.records import Status
-from pairforge.retry import backoff_seconds, parse_retry_after
 
 # PAIRFORGE_TEST_FETCHER=urllib3 runs every case against bench/fetch_urllib3.py, the urllib3
 # client that fetch.py's was measured against (issue 33, bench/RESULTS.md).

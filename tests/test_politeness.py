@@ -15,9 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 from loopback_server import LoopbackServer, make_images
 
+from pairforge.backoff import full_jitter
 from pairforge.config import DownloadConfig, parse_config
 from pairforge.download.fetch import Fetcher
-from pairforge.download.politeness import full_jitter, is_transient, merge_stats
+from pairforge.download.politeness import is_transient, merge_stats
 from pairforge.download.shard import download_shard
 from pairforge.pipeline.download_stage import input_shards
 from pairforge.pipeline.settings import settings_record, stage_settings

@@ -44,11 +44,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
+from pairforge.backoff import full_jitter, parse_retry_after
 from pairforge.config import DEFAULT_USER_AGENT, DownloadConfig
 from pairforge.download.address_guard import AddressGuard, BlockedAddress
-from pairforge.download.politeness import HostGivenUp, HostPolicy, full_jitter, is_transient
+from pairforge.download.politeness import HostGivenUp, HostPolicy, is_transient
 from pairforge.records import Status
-from pairforge.retry import parse_retry_after
 
 USER_AGENT = DEFAULT_USER_AGENT
 AGENT_NAME = "pairforge"

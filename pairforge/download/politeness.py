@@ -10,8 +10,9 @@ backoff and a circuit breaker, with their counts per host.
   rate; set the rate per task accordingly (the shards of a run are planned in input
   order, so a host's rows mostly fall in one or few shards).
 * **Backoff** on 429/5xx and refused or cut connections without Retry-After: "full
-  jitter", a uniform delay in [0, ``backoff`` x 2^attempt], so the threads and tasks that
-  failed together do not come back together (Retry-After, when sent, is obeyed as is).
+  jitter", a uniform delay in [0, ``backoff`` x 2^attempt] (``pairforge/backoff.py``, the
+  one backoff rule), so the threads and tasks that failed together do not come back
+  together (Retry-After, when sent, is obeyed as is). The fetcher counts each per host here.
 * **Circuit breaker** (``download.host_failures``, ``download.host_pause_s``,
   ``download.host_max_pauses``): after ``host_failures`` rows in a row of one host end in a
   transient failure (timeout, connection, 429, 5xx), the host is paused for
@@ -25,7 +26,6 @@ backoff and a circuit breaker, with their counts per host.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections import Counter, defaultdict
@@ -47,11 +47,6 @@ def is_transient(status: Status | str, http_status: int | None, retryable: bool)
     if status == Status.HTTP_ERROR:
         return http_status is not None and (http_status == 429 or http_status >= 500)
     return status == Status.DOWNLOAD_ERROR and retryable
-
-
-def full_jitter(base: float, attempt: int, rng: random.Random | None = None) -> float:
-    """A retry delay in [0, base x 2^attempt] (AWS's "full jitter")."""
-    return (rng or random).uniform(0.0, base * 2**attempt)
 
 
 class _Breaker:

@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from pairforge.backoff import backoff_seconds
 from pairforge.config import RecaptionConfig
 from pairforge.images import model_dtype
 from pairforge.recaption.constrain import WordBlocker
 from pairforge.recaption.vision import VisionEmbedder
-from pairforge.retry import backoff_seconds
 
 
 class Captioner(ABC):
