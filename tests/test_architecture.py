@@ -100,6 +100,19 @@ def test_no_module_imports_a_higher_layer() -> None:
     assert not violations, "\n".join(violations)
 
 
+def test_shards_is_the_bottom_of_the_domain_layer() -> None:
+    """shards/ (the files on disk) imports no other domain package: they all read and write
+    through it, so one of its imports would run up (a stage's own stats sections are added
+    up by the stage, e.g. download/parts.py)."""
+    upward = []
+    for path in sorted((PACKAGE / "shards").rglob("*.py")):
+        for imported in imports_of(path):
+            top = imported.split(".")[1] if "." in imported else ""
+            if layer_of(imported) == "domain" and top != "shards":
+                upward.append(f"{module_name(path)} imports {imported}")
+    assert not upward, "\n".join(upward)
+
+
 def test_the_rule_catches_an_upward_import(tmp_path) -> None:
     fake = tmp_path / "pairforge" / "filters" / "fake.py"
     fake.parent.mkdir(parents=True)

@@ -22,6 +22,7 @@ from pairforge.download.inputs import (
 )
 from pairforge.download.lists import Lists, load_lists
 from pairforge.download.memory_guard import guard_file
+from pairforge.download.parts import merge_parts
 from pairforge.download.shard import download_shard
 from pairforge.download.split import SPLIT_FOLDER, SplitJob, normalise_table, run_split, write_split
 from pairforge.pipeline.entry import RunOptions, summarise
@@ -29,7 +30,7 @@ from pairforge.pipeline.progress import ProgressCounter, StageDisplay, say
 from pairforge.pipeline.ray_runtime import driver_local_actor, init_ray
 from pairforge.pipeline.runlog import log_shard, run_log
 from pairforge.pipeline.settings import check_settings, settings_record, stage_settings
-from pairforge.shards.raw import completed_shards, merge_parts, remove_parts
+from pairforge.shards.raw import completed_shards, remove_parts
 from pairforge.shards.storage import RAW_FOLDER, OutputDir
 
 

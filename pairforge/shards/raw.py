@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -86,10 +87,14 @@ class RawShardWriter:
         self._tar_cm.__exit__(type(exc), exc, exc.__traceback__)
 
 
-def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]],
+                sections: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
+                ) -> dict[str, Any]:
     """Join a shard's written parts (their ``close`` stats, any order) into the shard: the
     tar's members and the parquet's rows in part order, then the stats, counted from the
-    merged rows, written last; then the part files go. Returns the shard's stats."""
+    merged rows, written last; then the part files go. ``sections``: the stage's own
+    sections of the stats, added up over the parts (``download/parts.py``: the stage
+    knows its sections, this layer only the files). Returns the shard's stats."""
     parts = sorted(parts, key=lambda p: p["part"][0])
     shard_id, count = parts[0]["shard"], parts[0]["part"][1]
     names = [part_name(shard_id, i, count) for i in range(count)]
@@ -107,20 +112,8 @@ def merge_parts(out: OutputDir, folder: str, parts: list[dict[str, Any]]) -> dic
     stats = {**{k: v for k, v in parts[0].items() if k != "part"},
              "start_time": start, "end_time": end, "duration_s": round(end - start, 3),
              "parts": count, **row_counts(table["status"].to_pylist())}
-    if parts[0].get("peak_resident_mib") is not None:  # stage 1's memory guard's samples
-        stats["peak_resident_mib"] = max(p["peak_resident_mib"] or 0 for p in parts)
-    if "consent" in parts[0]:  # stage 1's counts per reason and host: every part's
-        from pairforge.download.consent import merge_stats
-
-        stats["consent"] = merge_stats([p["consent"] for p in parts])
-    if "failures_by_host" in parts[0]:
-        from pairforge.shards.failures import merge_sections
-
-        stats["failures_by_host"] = merge_sections([p["failures_by_host"] for p in parts])
-    if "politeness" in parts[0]:  # per host: throttled requests, backoffs, pauses
-        from pairforge.download.politeness import merge_stats as merge_politeness
-
-        stats["politeness"] = merge_politeness([p["politeness"] for p in parts])
+    if sections is not None:
+        stats.update(sections(parts))
     out.write_json(stats, folder, stats_name(shard_id))
     for name in names:
         out.remove(folder, f"{name}.tar")
