@@ -18,8 +18,9 @@ returns goes into the shard's stats under the step's name).
 
 A step also answers, from the config alone, what the run around it needs to know:
 whether it runs (``enabled``), what it loads and which settings shape its output
-(``requirements``: preflight checks the sources, the settings digest records the values
-and fingerprints the local files, the start-up line names the model), what every shard's
+(``requirements``: its sources, ``sources.py``'s kinds, check themselves when preflight
+asks; the settings digest records the values and fingerprints the local files; the
+start-up line names the model), what every shard's
 stats record of it (``stage_stats``) and what the manifest says of it
 (``manifest_entries``). Preflight, the settings digest, the progress line and the manifest
 ask these; none of them names a step's models or settings.
@@ -46,84 +47,7 @@ from pydantic import BaseModel
 
 from pairforge.config import ModelPoolConfig, PairforgeConfig
 from pairforge.records import Status
-
-# The files a transformers folder (or cached hub repo) holds, one name of each group
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # AutoProcessor's
-TRANSFORMERS_FILES = (("config.json",), WEIGHT_FILES, PROCESSOR_FILES)  # model + processor
-
-# A further check of a source once its files are found (a folder's or cached repo's
-# config.json, or the file itself): the problems it finds, each naming its config key. It
-# may raise on a file it cannot read; preflight names that for it.
-SourceCheck = Callable[[str], list[str]]
-
-
-@dataclass(frozen=True)
-class ModelFolder:
-    """A local folder holding one name of every group in ``files``, or (``hub``) a hub id
-    whose files are in the local Hugging Face cache (never fetched: builds run offline)."""
-
-    key: str  # the config key, as problems name it
-    ref: str
-    files: tuple[tuple[str, ...], ...] = ()
-    revision: str | None = None
-    hub: bool = True
-    check: SourceCheck | None = None  # given the config.json
-    setting: str | None = None  # the settings digest's key, when not ``key``
-    fingerprint: bool = True  # False: recorded by its config value only
-
-    def local_files(self) -> dict[str, str | None]:
-        return {self.setting or self.key: self.ref} if self.fingerprint else {}
-
-
-@dataclass(frozen=True)
-class OpenClipModel:
-    """An open_clip model: a name open_clip ships (or one in ``model_config_path``, a file
-    or folder of model configs), its weights a pretrained tag (from the local hub cache) or
-    a checkpoint file."""
-
-    key: str  # the config section: its keys are KEY.model, KEY.pretrained, ...
-    model: str
-    pretrained: str | None
-    model_config_path: str | None = None
-
-    def local_files(self) -> dict[str, str | None]:
-        return {f"{self.key}.pretrained": self.pretrained,
-                f"{self.key}.model_config_path": self.model_config_path}
-
-
-@dataclass(frozen=True)
-class ModelFile:
-    """A file: a checkpoint, a head's state dict, a word list."""
-
-    key: str
-    path: str
-    check: SourceCheck | None = None  # given the file
-    setting: str | None = None
-    fingerprint: bool = True
-
-    def local_files(self) -> dict[str, str | None]:
-        return {self.setting or self.key: self.path} if self.fingerprint else {}
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """A model an OpenAI-compatible server serves: ``GET {base_url}/models`` lists it."""
-
-    key: str  # the model name's config key
-    model: str
-    base_url: str
-    url_key: str
-    api_key_env: str
-    timeout_s: float
-
-    def local_files(self) -> dict[str, str | None]:
-        return {}
-
-
-ModelSource = ModelFolder | OpenClipModel | ModelFile | ServedModel
+from pairforge.sources import ModelSource
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """The layer rule of docs/ARCHITECTURE.md, checked on every module's imports.
 
-Layers, lowest first: the ground floor (config, records, stage, images, batching, backoff,
-tables, machine); the domain packages (download, dedup, filters, tokenizers, recaption,
-shards, inspection, train, sample, scenes); pipeline and serve (Ray orchestration, the
-service on Ray Serve); cli (verbs). A module may import its own layer and those below it,
-never one above: a domain package that needs the pipeline has its logic in the wrong place.
-Only pipeline/ and serve/ import Ray (the recaption step's claim registry, a named actor,
-aside), and no module reaches itself through its imports, not even through an import inside
-a function.
+Layers, lowest first: the ground floor (config, records, stage, sources, images, batching,
+backoff, tables, machine); the domain packages (download, dedup, filters, tokenizers,
+recaption, shards, inspection, train, sample, scenes); pipeline and serve (Ray
+orchestration, the service on Ray Serve); cli (verbs). A module may import its own layer and
+those below it, never one above: a domain package that needs the pipeline has its logic in
+the wrong place. Only pipeline/ and serve/ import Ray (the recaption step's claim registry, a
+named actor, aside), and no module reaches itself through its imports, not even through an
+import inside a function.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pairforge"
-GROUND = {"config", "records", "stage", "images", "batching", "backoff", "tables", "machine",
-          "__init__"}
+GROUND = {"config", "records", "stage", "sources", "images", "batching", "backoff", "tables",
+          "machine", "__init__"}
 DOMAIN = {"download", "dedup", "filters", "tokenizers", "recaption", "shards", "inspection",
           "train", "sample", "scenes"}
 LAYERS = {"ground": 0, "domain": 1, "pipeline": 2, "cli": 3}

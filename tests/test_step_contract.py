@@ -16,13 +16,8 @@ from pydantic import Field
 
 from pairforge.config import ConfigError, ModelPoolConfig, PairforgeConfig, ProcessConfig
 from pairforge.pipeline import chain
-from pairforge.stage import (
-    ModelFolder,
-    ModelStep,
-    Requirements,
-    StepResult,
-    setting_values,
-)
+from pairforge.sources import ModelFolder
+from pairforge.stage import ModelStep, Requirements, StepResult, setting_values
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pairforge"
 

@@ -30,16 +30,8 @@ from pairforge.batching import run_fixed
 from pairforge.config import ClassifierConfig, ModelPoolConfig, PairforgeConfig
 from pairforge.images import decode_rgb, model_device, model_dtype
 from pairforge.records import Status, classifier_columns
-from pairforge.stage import (
-    TRANSFORMERS_FILES,
-    ModelFile,
-    ModelFolder,
-    ModelSource,
-    ModelStep,
-    Requirements,
-    StepResult,
-    setting_values,
-)
+from pairforge.sources import TRANSFORMERS_FILES, ModelFile, ModelFolder, ModelSource
+from pairforge.stage import ModelStep, Requirements, StepResult, setting_values
 
 Layer = tuple[np.ndarray, np.ndarray | None]  # (weight [out, in], bias [out])
 _SEQUENTIAL_KEY = re.compile(r"^(?:(?P<prefix>.+)\.)?(?P<index>\d+)\.weight$")

@@ -30,9 +30,9 @@ from pairforge.config import ClipConfig, ModelPoolConfig, PairforgeConfig
 from pairforge.filters.selection import kth_largest
 from pairforge.images import decode_rgb, model_device
 from pairforge.records import Status, process_columns
+from pairforge.sources import OpenClipModel
 from pairforge.stage import (
     ModelStep,
-    OpenClipModel,
     Requirements,
     ScoreMap,
     ScoringStep,

@@ -40,18 +40,15 @@ from pairforge.recaption.checked import CheckedCaptioner
 from pairforge.recaption.claims import REGISTRY_PREFIX, find_registry, start_registry
 from pairforge.recaption.detector import OWL_TYPES
 from pairforge.records import process_columns
-from pairforge.stage import (
+from pairforge.sources import (
     TOKENIZER_FILES,
     TRANSFORMERS_FILES,
     ModelFile,
     ModelFolder,
     ModelSource,
-    ModelStep,
-    Requirements,
     ServedModel,
-    StepResult,
-    setting_values,
 )
+from pairforge.stage import ModelStep, Requirements, StepResult, setting_values
 
 WAIT_FOR_CLAIMANT_S = 600.0
 # what changes how fast a server answers, not what it writes

@@ -14,16 +14,8 @@ import pyarrow as pa
 from pairforge.config import ModelPoolConfig, PairforgeConfig
 from pairforge.images import decode_rgb, model_device
 from pairforge.records import process_columns
-from pairforge.stage import (
-    TOKENIZER_FILES,
-    WEIGHT_FILES,
-    ModelFolder,
-    ModelSource,
-    ModelStep,
-    Requirements,
-    StepResult,
-    setting_values,
-)
+from pairforge.sources import TOKENIZER_FILES, WEIGHT_FILES, ModelFolder, ModelSource
+from pairforge.stage import ModelStep, Requirements, StepResult, setting_values
 from pairforge.tokenizers.vocab import VocabLayout
 
 
