@@ -7,7 +7,9 @@ orchestration, the service on Ray Serve); cli (verbs). A module may import its o
 those below it, never one above: a domain package that needs the pipeline has its logic in
 the wrong place. Only pipeline/ and serve/ import Ray (the recaption step's claim registry, a
 named actor, aside), and no module reaches itself through its imports, not even through an
-import inside a function.
+import inside a function. Within the domain layer, shards/ (the files on disk) is the
+bottom. No module is over 600 lines unless its docstring says why ("Over 600 lines
+because ..."), and no function over 60.
 """
 
 from __future__ import annotations
@@ -121,6 +123,52 @@ def test_the_rule_catches_an_upward_import(tmp_path) -> None:
     assert imported == {"pairforge.pipeline.placement"}
     assert LAYERS[layer_of("pairforge.pipeline.placement")] > LAYERS[layer_of(
         "pairforge.filters.fake")]
+    fake.write_text("def late():\n    from pairforge.pipeline.placement import add_steps\n")
+    assert imports_of(fake) == {"pairforge.pipeline.placement"}  # inside a function too
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 60
+LONG_MODULE_REASON = "Over 600 lines because"
+
+
+def test_no_module_over_600_lines_without_a_reason() -> None:
+    """A long module says at its top why it is not split: a docstring line starting
+    ``Over 600 lines because``."""
+    unexplained = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        lines = len(source.splitlines())
+        if lines <= MAX_MODULE_LINES:
+            continue
+        docstring = ast.get_docstring(ast.parse(source)) or ""
+        if not any(line.startswith(LONG_MODULE_REASON) for line in docstring.splitlines()):
+            unexplained.append(f"{module_name(path)}: {lines} lines")
+    assert not unexplained, (f"modules over {MAX_MODULE_LINES} lines without a line "
+                             f"'{LONG_MODULE_REASON} ...' in their docstring: {unexplained}")
+
+
+def long_functions(source: str) -> list[tuple[str, int]]:
+    """Every function or method (nested ones too) over MAX_FUNCTION_LINES lines, from its
+    ``def`` to its last line: (name, lines)."""
+    return [(node.name, node.end_lineno - node.lineno + 1)
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_function_over_60_lines() -> None:
+    found = [f"{module_name(path)}.{name}: {lines} lines"
+             for path in sorted(PACKAGE.rglob("*.py"))
+             for name, lines in long_functions(path.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_the_length_check_counts_a_long_function() -> None:
+    body = "".join(f"        x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    source = f"def short():\n    pass\n\n\nclass A:\n    def long(self):\n{body}"
+    assert long_functions(source) == []  # exactly the limit, def line included
+    assert long_functions(source + "        x = 0\n") == [("long", MAX_FUNCTION_LINES + 1)]
 
 
 def test_only_pipeline_imports_ray() -> None:

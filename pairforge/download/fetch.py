@@ -23,6 +23,11 @@ The client is http.client with the pool below, not urllib3: on urllib3 the same 
 still needs the guarded connect (through urllib3's private ``_new_conn``), this module's
 deadline response and its own retry and redirect loops, and it cost 20-40 % more CPU per
 request (bench/fetch_urllib3.py, measured in bench/RESULTS.md; docs/ARCHITECTURE.md).
+
+Over 600 lines because ``Fetcher`` holds one request's whole path (guarded connect, pool,
+deadline reads, redirects, retries, opt-out headers, body cap) and its per-request state;
+the connection classes, the pool and the deadline reader beside it exist only for it.
+Split apart, each hop would hand that state across modules.
 """
 
 from __future__ import annotations
