@@ -11,7 +11,7 @@ pooled CLS summary (BLIP's ``pooler_output``) can carry little of the image.
 The lookup runs the tower, and a miss then captions the image, which would run it again:
 the tower's outputs for the images just embedded are kept (``TowerMemo``) and ``generate``
 reads them, so a miss costs a caption, not a tower pass more (measured in
-bench/embedding_tier.py).
+bench/RESULTS.md, "Captioning as a system").
 """
 
 from __future__ import annotations
