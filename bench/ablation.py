@@ -24,7 +24,6 @@ import argparse
 import csv
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,8 +33,9 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-SAMPLE = REPO / "pairforge" / "sample"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # when a test loads this by path
+from common import SAMPLE, arg_parser, pairforge_cli  # noqa: E402
+
 PLOT = Path(__file__).resolve().parent / "ablation_corruption.png"
 SIDE = 32
 LOSSES = ("L_I|T", "L_I|0", "L_T|I", "L_T")
@@ -43,14 +43,6 @@ LOSSES = ("L_I|T", "L_I|0", "L_T|I", "L_T")
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def _cli(*args: str) -> str:
-    run = subprocess.run([sys.executable, "-m", "pairforge.cli", *args], capture_output=True,
-                         text=True)
-    if run.returncode:
-        raise SystemExit(f"pairforge {' '.join(args)} failed:\n{run.stdout}\n{run.stderr}")
-    return run.stdout
 
 
 # ---------------------------------------------------------------------------- the world
@@ -125,7 +117,7 @@ def build(work: Path, name: str, table: Path, recaption: bool, p_drop: float,
     out.mkdir(parents=True, exist_ok=True)
     (out.parent / f"{name}.yaml").write_text(yaml.safe_dump(config))
     started = time.perf_counter()
-    _cli("build", str(out.parent / f"{name}.yaml"), "-q")
+    pairforge_cli("build", str(out.parent / f"{name}.yaml"), "-q")
     return out, time.perf_counter() - started
 
 
@@ -162,7 +154,7 @@ def train_run(work: Path, shards: Path, name: str, recipe: str, schedule: str, s
                        "log_every": 100, "resume": False, "threads": args.threads}}
         out.mkdir(parents=True, exist_ok=True)
         (out / "train.yaml").write_text(yaml.safe_dump(cfg))
-        _cli("train", str(out / "train.yaml"))
+        pairforge_cli("train", str(out / "train.yaml"))
     report = json.loads((out / "report.json").read_text())
     return {"run": str(out), "report": report}
 
@@ -314,7 +306,7 @@ def without(builds: dict, runs: dict, skip: set[str]) -> tuple[dict, dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="one seed, caption and "
                         "p_drop 0.3 recipe arms only, a smaller world and model (no plot)")
     parser.add_argument("--seeds", type=int, help="runs per arm")

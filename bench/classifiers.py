@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import TreeSampler, arg_parser
 from stage_step import (
     add_stage_args,
     cleared,
@@ -151,8 +152,6 @@ def interleaved(n: int, bare, process: dict, label: str, multiples: int,  # noqa
 def tree_cpu(run) -> tuple[float, float]:  # noqa: ANN001
     """(result of ``run``, CPU seconds this process and all its descendants (Ray's daemons,
     workers and actors) spent while it ran)."""
-    from proctree import TreeSampler
-
     with TreeSampler(os.getpid(), 0.25) as sampler:  # reading /proc costs CPU too
         before = {pid: proc.cpu_s for pid, proc in sampler.procs.items()}
         result = run()
@@ -210,8 +209,7 @@ def _run(out: Path, process: dict) -> tuple[float, int, dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--images", type=int, default=48)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--vit", choices=sorted(VITS), default="base")

@@ -12,7 +12,6 @@ active exception" (bench/scale.py's ``shards`` driver had died the same way once
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from common import arg_parser
 
 from pairforge.dedup.decide import DUPLICATES_SCHEMA
 from pairforge.records import make_key
@@ -42,7 +42,7 @@ def duplicates_table(path: Path, rows: int = 10**6) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--runs", type=int, default=200)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:

@@ -13,10 +13,10 @@ CPU).
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
+from common import arg_parser
 from stage_step import (
     add_stage_args,
     compare,
@@ -49,8 +49,7 @@ def bare_loop(raw: Path, model_name: str, batch_size: int, threads: int) -> tupl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--images", type=int, default=160)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--model", default="ViT-B-32")

@@ -45,7 +45,6 @@ distance was found.
 
 from __future__ import annotations
 
-import argparse
 import io
 import math
 import sys
@@ -53,6 +52,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import COCO_IMAGES, REPO, TESTS, arg_parser
 from PIL import Image, ImageEnhance, ImageOps
 
 from pairforge.config import DedupConfig
@@ -64,11 +64,9 @@ from pairforge.dedup.decide import (
 )
 from pairforge.dedup.hashing import phash_u64
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the quadratic references
+sys.path.insert(0, str(TESTS))  # the quadratic references
 from references import all_pairs_count  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-COCO = ROOT.parent / "shared" / "data" / "coco-sample" / "images"
 TOP_BIT = np.uint64(1 << 63)
 
 
@@ -97,7 +95,7 @@ def _variants(image: Image.Image) -> list[Image.Image]:
 
 def coco_hashes(families: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """Phashes of the COCO photos and of variants of ``families`` of them, with the pairs."""
-    files = sorted(COCO.iterdir())
+    files = sorted(COCO_IMAGES.iterdir())
     originals = [phash_u64(_decode(f.read_bytes())) for f in files]
     pairs = []
     for f, base in zip(files[:families], originals, strict=False):
@@ -164,7 +162,7 @@ def slope(sizes: list[int], seconds: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=[10**4, 10**5, 10**6])
     parser.add_argument("--max-distance", type=int, default=DedupConfig().max_distance)
     parser.add_argument("--workers", type=int, default=1, help="threads (or Ray CPUs)")
@@ -174,7 +172,7 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["band"],
                         choices=["band", "kinds", "scenes", "demo", "cost", "join", "semantic",
                                  "semantic-ray"])
-    parser.add_argument("--demo-out", type=Path, default=ROOT / "out" / "demo",
+    parser.add_argument("--demo-out", type=Path, default=REPO / "out" / "demo",
                         help="a finished `make demo` build (demo part)")
     parser.add_argument("--kind-families", type=int, default=300,
                         help="photos with planted variants (kinds part)")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import resource
 import sys
 import time
 from collections import Counter, defaultdict
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from common import COCO_IMAGES, TESTS, best_cpu_ms, max_rss_mib
 from PIL import Image, ImageEnhance, ImageOps
 
 from pairforge.config import DedupConfig, ImageConfig
@@ -25,11 +25,9 @@ from pairforge.dedup.semantic import default_clusters, semantic_duplicates
 from pairforge.download.imageproc import ProcessedImage, process_image
 from pairforge.records import make_key
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the quadratic references
+sys.path.insert(0, str(TESTS))  # the quadratic references
 from references import brute_force_pairs  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-COCO = ROOT.parent / "shared" / "data" / "coco-sample" / "images"
 KINDS = ("copy", "png_twin", "jpeg_q60", "png_reencode", "brighter", "half", "double",
          "crop2", "mirror", "crop10")
 
@@ -67,7 +65,7 @@ def _row(key: str, image: ProcessedImage) -> dict:
 
 def kinds_part(families: int) -> None:
     cfg = ImageConfig()
-    files = sorted(COCO.iterdir())
+    files = sorted(COCO_IMAGES.iterdir())
     rows, origin = [], {}  # origin: key -> (photo, kind)
     for i, f in enumerate(files):
         rows.append(_row(make_key(0, i), process_image(f.read_bytes(), cfg)))
@@ -193,18 +191,8 @@ def _old_phash(image: Image.Image) -> int:
     return _bits(np.round(_DCT_ROWS @ np.asarray(thumb, dtype=np.float64) @ _DCT_ROWS.T, 6))
 
 
-def _cpu_ms(fn, items: list, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.process_time()
-        for item in items:
-            fn(item)
-        best = min(best, time.process_time() - started)
-    return 1000 * best / len(items)
-
-
 def cost_part() -> None:
-    files = sorted(COCO.iterdir())
+    files = sorted(COCO_IMAGES.iterdir())
     bodies = [f.read_bytes() for f in files]
     big = [_encode(Image.open(io.BytesIO(b)).convert("RGB").resize((1280, 960), Image.LANCZOS),
                    "JPEG", quality=90) for b in bodies[:100]]
@@ -215,9 +203,10 @@ def cost_part() -> None:
     for name, items in (("COCO sample (<= 300 px)", bodies), ("COCO at 1,280x960", big)):
         decoded = [_decoded_as_stage1(b, cfg) for b in items]
         size = f"{decoded[0].width}x{decoded[0].height}"
-        print(f"| {name} | {size} | {_cpu_ms(_old_phash, decoded):.3f} ms | "
-              f"{_cpu_ms(phash_u64, decoded):.3f} ms | {_cpu_ms(perceptual_hashes, decoded):.3f} ms"
-              f" | {_cpu_ms(lambda b: process_image(b, cfg), items, 2):.2f} ms |")
+        print(f"| {name} | {size} | {best_cpu_ms(_old_phash, decoded, 3):.3f} ms | "
+              f"{best_cpu_ms(phash_u64, decoded, 3):.3f} ms | "
+              f"{best_cpu_ms(perceptual_hashes, decoded, 3):.3f} ms"
+              f" | {best_cpu_ms(lambda b: process_image(b, cfg), items, 2):.2f} ms |")
 
 
 def _decoded_as_stage1(body: bytes, cfg: ImageConfig) -> Image.Image:
@@ -270,11 +259,7 @@ def join_part(n: int, seed: int) -> None:
         print(f"\njoin of {n:,} images x {2 + regions} hashes ({result.stats['distinct_phashes']:,}"
               f" distinct values, {result.stats['band_plan']}), {workers} thread(s): "
               f"{took:.1f}s; planted copies dropped {found:,}/{copies:,}; near pairs "
-              f"{result.stats['near_pairs']:,}; peak RSS {_rss_gib():.1f} GiB")
-
-
-def _rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+              f"{result.stats['near_pairs']:,}; peak RSS {max_rss_mib() / 1024:.1f} GiB")
 
 
 def _embeddings(n: int, seed: int, dim: int = 512, topics: int = 1000
@@ -310,7 +295,7 @@ def semantic_part(n: int, seed: int, probes: int) -> None:
     print(f"\nsemantic dedup of {n:,} x {x.shape[1]} embeddings, {k:,} clusters, {probes} "
           f"probe(s): {took:.1f}s; "
           f"{result.stats}; planted copies caught {found:,}/{len(source):,}; peak RSS "
-          f"{_rss_gib():.1f} GiB")
+          f"{max_rss_mib() / 1024:.1f} GiB")
     del x
     _semantic_vs_all_pairs(20_000, seed)
 
@@ -391,7 +376,8 @@ def semantic_ray_part(n: int, seed: int, probes: int) -> None:
         stats = run_semantic_dedup(cfg, OutputDir(str(root)), steps=[ClipStep])
         took = time.perf_counter() - started
         print(f"semantic pass on Ray (2 CPUs), {n:,} x 512, {probes} probe(s): {took:.1f}s "
-              f"(Ray start not counted); {stats}; peak RSS of the driver {_rss_gib():.1f} GiB")
+              f"(Ray start not counted); {stats}; peak RSS of the driver "
+              f"{max_rss_mib() / 1024:.1f} GiB")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

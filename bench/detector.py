@@ -33,7 +33,6 @@ on the queries, so a small text vocabulary, whose embedding lookup costs the sam
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -41,15 +40,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common import COCO_IMAGES, TESTS, arg_parser
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(TESTS))
 from tiny_detector import clip_tokenizer, save_tiny_detector  # noqa: E402
 
 from pairforge.config import GroundingConfig
 from pairforge.recaption.checked import load_grounding
 
-COCO = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "coco-sample" / "images"
 BASES = (("owlvit", "google/owlvit-base-patch32 (768 px)"),
          ("owlv2", "google/owlv2-base-patch16-ensemble (960 px)"))
 NOUNS = ["dog", "cat", "bench", "bus", "pizza", "person", "car", "table"]
@@ -68,7 +67,7 @@ def queries_of(n_images: int, n_nouns: int) -> list[list[str]]:
 
 def tiny_seconds(n_images: int, n_nouns: int, batch: int) -> tuple[float, float]:
     """(seconds per image through DetectorGrounding.scores, of which the processor)."""
-    photos = load_photos(COCO, n_images)
+    photos = load_photos(COCO_IMAGES, n_images)
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_tiny_detector(Path(tmp) / "owl", [f"a photo of a {n}" for n in NOUNS])
         grounding = load_grounding(GroundingConfig(backend="detector",
@@ -228,7 +227,7 @@ def device_rates(kind: str, device: str, photos: list[Image.Image], n_nouns: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--images", type=int, default=32)
     parser.add_argument("--nouns", type=int, default=QUERIES)
     parser.add_argument("--batch", type=int, default=8)
@@ -239,7 +238,7 @@ def main() -> None:
                         "the tiny model 50x slower)")
     parser.add_argument("--device", default="cpu",
                         help="cuda: measure the base architectures on the GPU (4.-6.)")
-    parser.add_argument("--photos", type=Path, default=COCO, help="photos for --device")
+    parser.add_argument("--photos", type=Path, default=COCO_IMAGES, help="photos for --device")
     parser.add_argument("--kinds", default="owlvit,owlv2", help="base models for --device")
     parser.add_argument("--rounds", type=int, default=3, help="timed passes for --device")
     args = parser.parse_args()

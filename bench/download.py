@@ -9,10 +9,10 @@
     python bench/download.py --consent --repeats 3  # robots.txt + tdmrep.json served, allow all
 
 Prerequisite: nginx (``apt-get update && apt-get install -y nginx-light``). The bench starts
-it itself from a temporary config (bench/webhost.py: no system service, one worker,
+it itself from a temporary config (bench/common.py: no system service, one worker,
 ``sendfile on; tcp_nodelay on;``); without nginx it falls back to the Python
 ``serve_directory`` and says so. The photos are the COCO sample of
-/work/shared/data re-encoded at web sizes (bench/photoset.py, cached under the temp dir):
+../shared/data re-encoded at web sizes (bench/common.py, cached under the temp dir):
 ``--photos web`` draws each longer side from 640-2,048 px, a number fixes it, ``coco``
 serves them as shipped (at most 300 px). The captions are the 10,000 real alt-texts of
 alttext-10k.parquet, repeated for more rows.
@@ -50,15 +50,18 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from common import (
+    BENCH,
+    DATA,
+    arg_parser,
+    cpu_seconds,
+    describe,
+    photo_set,
+    run_sampled,
+    start_hosts,
+)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from photoset import describe, photo_set  # noqa: E402
-from proctree import cpu_seconds, run_sampled  # noqa: E402
-from webhost import start_hosts  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path("/work/shared/data")
-I2D_VENV = ROOT / "bench" / ".venv-img2dataset"
+I2D_VENV = BENCH / ".venv-img2dataset"
 I2D_PYTHON = I2D_VENV / "bin" / "python"
 I2D_VERSION = "img2dataset==1.47.0"
 TOOLS = ("img2dataset", "pairforge")
@@ -135,7 +138,7 @@ def pairforge_cmd(inp: Path, out: Path, args: argparse.Namespace,
     sets = [f"input.path={inp}", f"output.path={out}", f"input.shard_size={args.shard_size}",
             f"download.processes={args.processes}", f"download.threads={args.threads}",
             *overrides]
-    return [str(pairforge), "download", str(ROOT / "bench" / "dl.yaml"), "-q",
+    return [str(pairforge), "download", str(BENCH / "dl.yaml"), "-q",
             *[arg for s in sets for arg in ("--set", s)]]
 
 
@@ -237,8 +240,7 @@ def summarise(runs: list[Run], per_repeat: int = 2) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--hosts", type=int, default=1)
     parser.add_argument("--photos", default="web", help="web (640-2,048 px), coco, or px")

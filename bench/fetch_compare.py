@@ -6,7 +6,7 @@
     python bench/fetch_compare.py --shard --requests 1000   # stage 1's shard task, no Ray
 
 Both clients fetch the same URLs (photo i mod the set on host i mod N, nginx on 127.0.0.x
-as bench/download.py starts it; photos from bench/photoset.py) through one ``Fetcher``
+as bench/download.py starts it; photos from bench/common.py) through one ``Fetcher``
 shared by ``--threads`` threads, the stage's default of 32, with the stage's defaults
 otherwise (``per_host_connections`` 8, allow-list 127.0.0.0/8). Each run makes a new
 fetcher (so both pay their connections' setup) and reads every body. Runs alternate, the
@@ -22,10 +22,8 @@ each client in turn: the fetcher's share of the stage's CPU, without Ray's noise
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,19 +31,14 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fetch_urllib3 import Urllib3Fetcher  # noqa: E402
-from photoset import describe, photo_set  # noqa: E402
-from webhost import start_hosts  # noqa: E402
+from common import BENCH, arg_parser, describe, photo_set, start_hosts
+from fetch_urllib3 import Urllib3Fetcher
 
 from pairforge.config import DownloadConfig, load_config  # noqa: E402
 from pairforge.download import shard as shard_module  # noqa: E402
 from pairforge.download.fetch import Fetcher  # noqa: E402
 from pairforge.pipeline.download_stage import input_shards  # noqa: E402
 from pairforge.pipeline.settings import settings_record, stage_settings  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 
 CLIENTS = {"fetch.py": Fetcher, "urllib3": Urllib3Fetcher}
 
@@ -68,7 +61,7 @@ def one_shard(client: type[Fetcher], urls: list[str], tmp: Path, run: int,
     if not inp.exists():
         captions = [f"a photo, {i}" for i in range(len(urls))]
         pq.write_table(pa.table({"URL": urls, "TEXT": captions}), inp)
-    cfg = load_config(ROOT / "bench" / "dl.yaml", [
+    cfg = load_config(BENCH / "dl.yaml", [
         f"input.path={inp}", f"output.path={tmp / f'out{run}'}",
         f"input.shard_size={len(urls)}", f"download.per_host_connections={per_host}"])
     shard_module.Fetcher = client  # what download_shard constructs
@@ -85,8 +78,7 @@ def one_shard(client: type[Fetcher], urls: list[str], tmp: Path, run: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--hosts", type=int, default=1)
     parser.add_argument("--photos", default="web", help="web (640-2,048 px), coco, or px")

@@ -12,29 +12,17 @@ process's VmHWM, less the interpreter and imports measured before loading.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from common import arg_parser, json_from_child, peak_rss_mib, rss_mib
 
-ROOT = Path(__file__).resolve().parent.parent
 LOOKUPS = 100_000
-
-
-def _hwm_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 def _domain(i: int) -> str:
@@ -66,7 +54,7 @@ def _child(work: str, kind: str) -> None:
     from pairforge.download.lists import BlockList, OptOutList
 
     folder = Path(work)
-    before = _rss_mib()
+    before = rss_mib()
     started = time.perf_counter()
     if kind == "optout":
         lists = OptOutList.load([str(folder / "optout.txt")], {})
@@ -97,13 +85,13 @@ def _child(work: str, kind: str) -> None:
     per_row_us = (time.perf_counter() - started) / LOOKUPS * 1e6
     print(json.dumps({"entries": len(lists), "load_s": round(loaded, 1),
                       "arrays_mib": round(nbytes / 2**20, 1),
-                      "peak_rss_over_start_mib": round(_hwm_mib() - before, 1),
+                      "peak_rss_over_start_mib": round(peak_rss_mib() - before, 1),
                       "lookup_us_per_row": round(per_row_us, 2), "matched": found,
                       "lookups": LOOKUPS, **extra}))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--entries", type=int, default=10_000_000)
     parser.add_argument("--phash", type=int, default=1_000_000)
     parser.add_argument("--work", type=Path)
@@ -113,13 +101,11 @@ def main() -> None:
         started = time.perf_counter()
         write_lists(work, args.entries, args.phash)
         print(f"wrote the lists in {time.perf_counter() - started:.0f} s", flush=True)
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
         for kind in ("optout", "block"):
-            done = subprocess.run([sys.executable, __file__, "--child", str(work), kind],
-                                  capture_output=True, text=True, env=env, check=True)
-            print(kind, done.stdout.strip(), flush=True)
+            found = json_from_child([__file__, "--child", str(work), kind], f"the {kind} list")
+            print(kind, json.dumps(found), flush=True)
     finally:
-        subprocess.run(["rm", "-rf", str(work)], check=True)
+        shutil.rmtree(work)
 
 
 if __name__ == "__main__":

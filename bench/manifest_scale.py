@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from common import arg_parser, json_from_child, max_rss_mib
 
 TASKS = ("i2t", "img", "t2i", "txt")
 
@@ -74,10 +72,6 @@ def make_folder(root: Path, shards: int) -> Path:
     return folder
 
 
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _synthetic_stats(shards: int) -> None:
     """Replace the listing and the reads of the stats files by stats made here."""
     from array import array
@@ -106,17 +100,17 @@ def measure(folder: Path, in_memory: int | None = None) -> dict:
     cfg = PairforgeConfig(input={"path": "in.csv"}, output={"path": str(folder)},
                           process={"clip": {"enabled": True}})
     out = OutputDir(str(folder))
-    baseline = _rss_mib()
+    baseline = max_rss_mib()
     started = time.perf_counter()
     manifest = build_manifest(out, cfg, stage_steps(cfg))
     write_dataset_files(out, manifest)
     seconds = time.perf_counter() - started
     return {"baseline_rss_mib": round(baseline, 1),
-            "driver_peak_rss_mib": round(_rss_mib(), 1), "seconds": round(seconds, 2)}
+            "driver_peak_rss_mib": round(max_rss_mib(), 1), "seconds": round(seconds, 2)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--shards", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--root", type=Path, default=Path("/tmp/pairforge-manifest-scale"))
     parser.add_argument("--in-memory", action="store_true")
@@ -135,9 +129,7 @@ def main() -> None:
             folder = make_folder(args.root, shards)
             command = ["--measure", str(folder)]
         made = time.perf_counter() - made
-        result = subprocess.run([sys.executable, __file__, *command],
-                                check=True, capture_output=True, text=True, env=os.environ)
-        figures = json.loads(result.stdout.strip().splitlines()[-1])
+        figures = json_from_child([__file__, *command], f"{shards} shards")
         print(json.dumps({"shards": shards, "in_memory": args.in_memory, **figures,
                           "made_in_s": round(made, 1)}), flush=True)
 

@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import COCO, arg_parser
 from stage_step import (
-    COCO,
     add_stage_args,
     compare,
     decode,
@@ -82,8 +82,7 @@ def cache_run(n: int, model_dir: Path, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--images", type=int, default=48)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--arch", choices=["git", "blip"], default="git")

@@ -15,24 +15,15 @@ import argparse
 import csv
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
+from common import COCO, arg_parser, pairforge_cli
 
-COCO = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco-sample"
 RECIPES = [("replacement", "mixed"), ("baseline", "mixed"), ("replacement", "staged")]
 METRICS = ["L_T|I", "L_I|T", "L_I|0", "L_T"]
-
-
-def _cli(*args: str) -> None:
-    run = subprocess.run([sys.executable, "-m", "pairforge.cli", *args], capture_output=True,
-                         text=True)
-    if run.returncode:
-        raise SystemExit(f"pairforge {args[0]} failed:\n{run.stdout}\n{run.stderr}")
 
 
 def build_shards(work: Path, p_drop: float, shard_size: int) -> Path:
@@ -45,9 +36,9 @@ def build_shards(work: Path, p_drop: float, shard_size: int) -> Path:
             if not link.exists():
                 link.symlink_to(COCO / "images" / row["filename"])
             link.with_suffix(".txt").write_text(row["caption"].strip())
-    _cli("tokenizers", "train-vq", str(images), "--out", str(work / "vq"), "--resolution", "32",
-         "--codebook-size", "64", "--channels", "16,32", "--embed-dim", "8", "--steps", "300",
-         "--batch-size", "32")
+    pairforge_cli("tokenizers", "train-vq", str(images), "--out", str(work / "vq"),
+                  "--resolution", "32", "--codebook-size", "64", "--channels", "16,32",
+                  "--embed-dim", "8", "--steps", "300", "--batch-size", "32")
     config = {"input": {"path": str(images), "format": "folder", "shard_size": shard_size},
               "output": {"path": str(work / "out")}, "ray": {"num_cpus": 2},
               "download": {"threads": 4, "allow_file_scheme": True,
@@ -57,7 +48,7 @@ def build_shards(work: Path, p_drop: float, shard_size: int) -> Path:
                           "tokenize": {"enabled": True, "image": {"path_or_id": str(work / "vq")}},
                           "tasks": {"p_drop": p_drop}}}
     (work / "build.yaml").write_text(yaml.safe_dump(config))
-    _cli("build", str(work / "build.yaml"), "-q")
+    pairforge_cli("build", str(work / "build.yaml"), "-q")
     return work / "out"
 
 
@@ -96,7 +87,7 @@ def table(results: dict[str, list[dict]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--shards", type=Path, help="an existing pairforge dataset")
     parser.add_argument("--work", type=Path, help="where to build shards and runs")
     parser.add_argument("--p-drop", type=float, default=0.3)

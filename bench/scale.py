@@ -38,10 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -53,8 +50,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from common import PEAK_RSS_EXPR, arg_parser, json_from_child
 
-ROOT = Path(__file__).resolve().parent.parent
 SHARD_ROWS = 10_000
 REGIONS = 4
 HEX = np.frombuffer(b"0123456789abcdef", dtype="S1")
@@ -138,7 +135,7 @@ def write_raw_shards(folder: Path, n: int, seed: int = 0) -> None:
 # The peak is VmHWM, this process's own high-water mark: ru_maxrss would also count the
 # pages of the parent at fork time (Linux carries the old mm's peak over the exec), i.e.
 # this script's generated arrays (313 instead of 178 MiB at 10^6 rows).
-PEAK = "int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) / 1024"
+PEAK = PEAK_RSS_EXPR
 
 STAGE2_DRIVER = textwrap.dedent("""
     import json, sys, time
@@ -173,12 +170,7 @@ ORACLE = textwrap.dedent("""
 
 def _python(code: str, *args: str) -> dict[str, Any]:
     """Run ``code`` in a fresh interpreter (this checkout's pairforge); its last line."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
-                          text=True, env=env)
-    if done.returncode:
-        raise RuntimeError(done.stderr[-4000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_from_child(["-c", code, *args])
 
 
 def measure_dedup(rows: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -290,7 +282,7 @@ def growth(sizes: list[int], seconds: list[float]) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
     parser.add_argument("--sizes", type=int, nargs="+", default=[10**5, 10**6, 10**7])
     parser.add_argument("--quick", action="store_true", help="stop at 10^6 rows")

@@ -17,42 +17,23 @@ bench/scale_plan.py --child VARIANT ROWS DIR``), which reports its own peak RSS.
 from __future__ import annotations
 
 import json
-import os
-import resource
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import json_from_child, peak_rss_mib
+
 FILE_ROWS = 10**6  # rows per synthetic input file
 SHARD_SIZE = 10**4
-
-
-def _peak_rss_mib() -> float:
-    """This process's peak RSS: VmHWM, which a new program image starts afresh. (Not
-    getrusage's ru_maxrss: Linux carries it over fork and exec, so a child reports at
-    least its parent's peak.)"""
-    try:
-        with open("/proc/self/status") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return round(kib / 1024, 1)
 
 
 def _measure(stage: str, variant: str, rows: int, workdir: Path,
              timeout: float = 3600) -> dict[str, Any]:
     """One measurement in a fresh driver process: its peak RSS and the call's seconds."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, __file__, "--child", variant, str(rows),
-                           str(workdir)], capture_output=True, text=True, env=env,
-                          timeout=timeout, check=False)
-    if proc.returncode:
-        raise RuntimeError(f"{stage}/{variant} at {rows} rows failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json_from_child([__file__, "--child", variant, str(rows), str(workdir)],
+                           f"{stage}/{variant} at {rows} rows", timeout)
 
 
 # -- plan: stage 1 planning, and a download of refused rows end to end --------------------
@@ -114,7 +95,7 @@ def _plan_child(variant: str, rows: int, workdir: Path) -> dict[str, Any]:
             summary = run_download(cfg, RunOptions(show_progress=False))
             seconds = time.perf_counter() - started
             assert summary["rows"] == rows, summary
-            return {"driver_peak_rss_mib": _peak_rss_mib(), "seconds": round(seconds, 2),
+            return {"driver_peak_rss_mib": round(peak_rss_mib(), 1), "seconds": round(seconds, 2),
                     "status": summary["status"]}
         if variant != "parquet":
             init_ray(cfg.ray)  # as a run does before planning; not planning's cost
@@ -123,7 +104,7 @@ def _plan_child(variant: str, rows: int, workdir: Path) -> dict[str, Any]:
             seconds = time.perf_counter() - started
             assert sum(s.num_rows for s in shards) == rows
             count = len(shards)
-        return {"driver_peak_rss_mib": _peak_rss_mib(), "seconds": round(seconds, 2),
+        return {"driver_peak_rss_mib": round(peak_rss_mib(), 1), "seconds": round(seconds, 2),
                 "shards": count}
     finally:
         shutil.rmtree(out, ignore_errors=True)

@@ -15,8 +15,7 @@ the rows and compares the output and the counts.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,8 +24,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from common import json_from_child, peak_rss_mib
 
-ROOT = Path(__file__).resolve().parent.parent
 SHARD_ROWS = 10_000
 DIM = 512
 TOPICS = 1_000
@@ -82,9 +81,8 @@ def _child(out: str) -> None:
     started = time.perf_counter()
     stats = run_semantic_dedup(cfg, OutputDir(out), [ClipStep])
     seconds = time.perf_counter() - started
-    with open("/proc/self/status") as f:
-        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-    print(json.dumps({"seconds": seconds, "driver_peak_rss_mib": peak, "stats": stats}))
+    print(json.dumps({"seconds": seconds, "driver_peak_rss_mib": peak_rss_mib(),
+                      "stats": stats}))
 
 
 def _oracle(out: str, clusters: str) -> None:
@@ -109,32 +107,24 @@ def _oracle(out: str, clusters: str) -> None:
     print(json.dumps({"same_rows": same, "seconds": seconds, "stats": result.stats}))
 
 
-def _run(*args: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                          env=env)
-    if done.returncode:
-        raise RuntimeError(done.stderr[-4000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def measure_semantic(rows: int, work: Path, check: bool = False) -> dict[str, Any]:
     out = work / f"semantic-{rows}"
     started = time.perf_counter()
     planted = write_shards(out, rows)
     print(f"  semantic {rows:,}: wrote {rows:,} x {DIM} embeddings in "
           f"{time.perf_counter() - started:.0f} s", flush=True)
-    found = _run("--child", str(out))
+    found = json_from_child([__file__, "--child", str(out)], "the semantic pass")
     stats = found.pop("stats")
     checked = {}
     if check:
-        oracle = _run("--oracle", str(out), str(stats["clusters"]))
+        oracle = json_from_child([__file__, "--oracle", str(out), str(stats["clusters"])],
+                                 "the single-process decision")
         same = oracle["same_rows"] and all(
             oracle["stats"][k] == stats[k] for k in ("pairs", "largest_cluster",
                                                      "duplicate_semantic"))
         checked = {"identical_to_single_process": same,
                    "single_process_seconds": oracle["seconds"]}
-    subprocess.run(["rm", "-rf", str(out)], check=True)
+    shutil.rmtree(out)
     return {**found, **checked, "planted_copies": planted,
             **{k: stats[k] for k in ("duplicate_semantic", "pairs", "clusters",
                                      "largest_cluster", "sample_rows", "units",

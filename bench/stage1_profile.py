@@ -1,6 +1,6 @@
 """Where stage 1's CPU goes per image: the Pillow floor, the image pass, fetching, a shard.
 
-    python bench/stage1_profile.py                 # photos at 1,280 px (bench/photoset.py)
+    python bench/stage1_profile.py                 # photos at 1,280 px (bench/common.py)
     python bench/stage1_profile.py --photos web    # 640-2,048 px; --photos coco: as shipped
     python bench/stage1_profile.py --decoders 15   # only 5. and 6., 15 interleaved rounds
     python bench/stage1_profile.py --resizers 6    # only 7., 6 interleaved rounds
@@ -18,7 +18,7 @@ libvips computes on its own worker thread, which a thread clock misses (this ben
    2026-12-04 16:30; sha256 before), the 64-bit phash. The libvips
    resize the stage uses is timed beside Pillow's.
 2. ``process_image`` (the stage's image pass: checks, EXIF, the three hashes, resize, encode).
-3. ``Fetcher.fetch`` of the same photos from nginx (bench/webhost.py), 32 threads: the
+3. ``Fetcher.fetch`` of the same photos from nginx (bench/common.py), 32 threads: the
    process's CPU per image (Python's HTTP client, the socket reads).
 4. ``download_shard`` in this process (no Ray), 32 threads: the whole task of one shard
    (fetch, image pass, tar and parquet writing), with per-call CPU of its parts.
@@ -58,11 +58,8 @@ With ``--resizers ROUNDS`` (no server):
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
-import os
-import sys
 import tempfile
 import threading
 import time
@@ -76,11 +73,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pyvips
 import simplejpeg
+from common import BENCH, arg_parser, best_cpu_ms, describe, photo_set, read_stat, start_hosts
 from PIL import Image
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from photoset import describe, photo_set  # noqa: E402
-from webhost import start_hosts  # noqa: E402
 
 from pairforge.config import DownloadConfig, ImageConfig, load_config  # noqa: E402
 from pairforge.dedup.grids import colour_grid  # noqa: E402
@@ -100,19 +94,7 @@ from pairforge.pipeline.download_stage import input_shards  # noqa: E402
 from pairforge.pipeline.settings import settings_record, stage_settings  # noqa: E402
 from pairforge.shards import raw  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 SIZE = 256
-
-
-def best_ms(fn: Callable, items: list, repeats: int) -> float:
-    """Best process-CPU ms per item over ``repeats`` passes (libvips' worker included)."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.process_time()
-        for item in items:
-            fn(item)
-        best = min(best, (time.process_time() - start) / len(items) * 1e3)
-    return best
 
 
 def keep_ratio(width: int, height: int) -> tuple[int, int]:
@@ -138,17 +120,17 @@ def floor(bodies: list[bytes], repeats: int) -> None:
     decoded = [decode(b) for b in bodies]
     resized = [image.resize(target, Image.Resampling.BICUBIC) for image, target in decoded]
     parts = {
-        "open + draft + decode": best_ms(decode, bodies, repeats),
-        "resize, Pillow bicubic": best_ms(
+        "open + draft + decode": best_cpu_ms(decode, bodies, repeats),
+        "resize, Pillow bicubic": best_cpu_ms(
             lambda d: d[0].resize(d[1], Image.Resampling.BICUBIC), decoded, repeats),
-        "encode JPEG q95": best_ms(encode, resized, repeats),
-        "sha256 of the body": best_ms(lambda b: hashlib.sha256(b).digest(), bodies, repeats),
-        "pixel hash (XXH3-128)": best_ms(lambda d: pixel_hash_hex(d[0]), decoded, repeats),
-        "phash": best_ms(lambda d: phash_u64(d[0]), decoded, repeats),
+        "encode JPEG q95": best_cpu_ms(encode, resized, repeats),
+        "sha256 of the body": best_cpu_ms(lambda b: hashlib.sha256(b).digest(), bodies, repeats),
+        "pixel hash (XXH3-128)": best_cpu_ms(lambda d: pixel_hash_hex(d[0]), decoded, repeats),
+        "phash": best_cpu_ms(lambda d: phash_u64(d[0]), decoded, repeats),
     }
-    vips = best_ms(lambda d: downscale(d[0].tobytes(), d[0].size, d[1]), decoded, repeats)
-    every_phash = best_ms(lambda d: perceptual_hashes(d[0]), decoded, repeats)
-    grid = best_ms(lambda d: colour_grid(d[0]), decoded, repeats)
+    vips = best_cpu_ms(lambda d: downscale(d[0].tobytes(), d[0].size, d[1]), decoded, repeats)
+    every_phash = best_cpu_ms(lambda d: perceptual_hashes(d[0]), decoded, repeats)
+    grid = best_cpu_ms(lambda d: colour_grid(d[0]), decoded, repeats)
     print("1. Pillow floor, ms CPU per image:")
     for name, ms in parts.items():
         print(f"   {name:28s} {ms:6.2f}")
@@ -162,7 +144,7 @@ def floor(bodies: list[bytes], repeats: int) -> None:
 
 def image_pass(bodies: list[bytes], repeats: int) -> None:
     cfg = ImageConfig(image_size=SIZE, encode_quality=95)
-    ms = best_ms(lambda b: process_image(b, cfg), bodies, repeats)
+    ms = best_cpu_ms(lambda b: process_image(b, cfg), bodies, repeats)
     print(f"2. process_image: {ms:.2f} ms CPU per image")
 
 
@@ -181,13 +163,8 @@ def fetching(urls: list[str], repeats: int) -> None:
 def vips_worker_seconds() -> float:
     """CPU seconds so far of this process's libvips worker threads (the resize runs there,
     outside the thread clock of the caller that _Timers reads)."""
-    total = 0
-    for task in Path("/proc/self/task").iterdir():
-        stat = (task / "stat").read_text()
-        if stat[stat.index("(") + 1:stat.rindex(")")].startswith("libvips"):
-            fields = stat[stat.rindex(")") + 2:].split()
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    stats = (read_stat(task / "stat") for task in Path("/proc/self/task").iterdir())
+    return sum(s[2] for s in stats if s is not None and s[0].startswith("libvips"))
 
 
 class _Timers:
@@ -223,7 +200,7 @@ def shard(urls: list[str], repeats: int) -> None:
         timers.wrap(raw.RawShardWriter, "close", "parquet + stats (writer.close)")
         best, parts = float("inf"), {}
         for run in range(repeats):
-            cfg = load_config(ROOT / "bench" / "dl.yaml", [
+            cfg = load_config(BENCH / "dl.yaml", [
                 f"input.path={inp}", f"output.path={Path(tmp) / f'out{run}'}",
                 f"input.shard_size={len(urls)}"])
             timers.seconds.clear()
@@ -453,7 +430,7 @@ def parts(bodies: list[bytes], repeats: int) -> None:
             _steps(body, cfg, spent)
         if not best or sum(spent.values()) < sum(best.values()):
             best = dict(spent)
-    whole = best_ms(lambda b: process_image(b, cfg), bodies, repeats)
+    whole = best_cpu_ms(lambda b: process_image(b, cfg), bodies, repeats)
     print("8. process_image step by step, ms CPU per image (the best pass):")
     for name, seconds in best.items():
         print(f"   {name:28s} {seconds / len(bodies) * 1e3:6.3f}")
@@ -467,8 +444,8 @@ def bound(bodies: list[bytes], cfg: ImageConfig) -> None:
     opened = [imageproc._open(b) for b in bodies]
     plans = [imageproc._plan_resize(*image.size, cfg) for image in opened]
     pairs = list(zip(opened, plans, strict=True)) * 50
-    plan_us = best_ms(lambda p: imageproc._check_plan(p[0], p[1], cfg, True), pairs, 5) * 1e3
-    icon_us = best_ms(lambda b: imageproc._check_icon(b, cfg), bodies * 50, 5) * 1e3
+    plan_us = best_cpu_ms(lambda p: imageproc._check_plan(p[0], p[1], cfg, True), pairs, 5) * 1e3
+    icon_us = best_cpu_ms(lambda b: imageproc._check_icon(b, cfg), bodies * 50, 5) * 1e3
     print(f"9. plan check {plan_us:.2f} us per image, ICO pre-check {icon_us:.2f} us; "
           "memory guard, process CPU per second of an otherwise idle task:")
     for _ in range(3):
@@ -484,7 +461,7 @@ def bound(bodies: list[bytes], cfg: ImageConfig) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--photos", default="1280", help="web, coco, or a size in px")
     parser.add_argument("--images", type=int, default=200, help="photos in steps 1 and 2")
     parser.add_argument("--rows", type=int, default=1000, help="rows in steps 3 and 4")

@@ -17,21 +17,16 @@ memory are not measured here yet).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
-
-REPO = Path(__file__).resolve().parents[1]
-SAMPLE = REPO / "pairforge" / "sample"
+from common import SAMPLE, arg_parser, json_from_child
 
 _DRIVER = """
 import json, resource, sys, time
@@ -109,9 +104,7 @@ def write_raw(out: Path, rows: int, shard_size: int) -> None:
 
 
 def drive(cfg_path: Path) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-c", _DRIVER, str(cfg_path)], cwd=REPO,
-                          capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_from_child(["-c", _DRIVER, str(cfg_path)], "pairforge process")
 
 
 def measure(rows: int, work: Path, shard_size: int) -> dict[str, Any]:
@@ -133,7 +126,7 @@ def measure(rows: int, work: Path, shard_size: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--quick", action="store_true", help="stop at 10^6 rows")
     parser.add_argument("--shard-size", type=int, default=10_000)

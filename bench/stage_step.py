@@ -1,4 +1,5 @@
-"""Shared by bench/clip.py and bench/vq.py: a model step inside stage 3 against a bare loop.
+"""A model step inside stage 3 against a bare loop: the harness of bench/clip.py, vq.py,
+recaption.py and classifiers.py.
 
 Raw shards of COCO sample photos are made with stage 1 (loopback HTTP). Each side runs on
 N and on 2N images. The whole-run rate includes fixed costs (the stage starts a Ray worker
@@ -18,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-COCO = ROOT.parent / "shared" / "data" / "coco-sample"
-sys.path.insert(0, str(ROOT / "tests"))
+from common import COCO, TESTS
+
+sys.path.insert(0, str(TESTS))  # loopback_server: the tests' image host
 
 
 def make_raw(out: Path, n: int, image_size: int = 256, shard_size: int = 1000,

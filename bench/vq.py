@@ -34,12 +34,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import COCO_IMAGES, REPO, TESTS, arg_parser
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-sys.path.insert(0, str(REPO / "tests"))  # tiny_vq: the tests' random-weight VQ models
+sys.path.insert(0, str(TESTS))  # tiny_vq: the tests' random-weight VQ models
 
 import tiny_vq as tiny  # noqa: E402
 from stage_step import add_pool_args  # noqa: E402
@@ -48,7 +47,6 @@ from pairforge.tokenizers.hf_vq import HFVQTokenizer  # noqa: E402
 from pairforge.tokenizers.train_vq import evaluate, iter_image_bytes, load_arrays  # noqa: E402
 from pairforge.tokenizers.vq_tokenizer import PairforgeVQTokenizer  # noqa: E402
 
-COCO = REPO.parent / "shared/data/coco-sample/images"
 RESOLUTION = {"chameleon": 256, "janus": 384, "emu3": 256}
 
 
@@ -165,7 +163,6 @@ def run_hf(backend: str, args: argparse.Namespace, workdir: Path) -> dict:
 
 def run_stage(backend: str, args: argparse.Namespace, workdir: Path) -> None:
     """The tokenize step inside stage 3 against the bare loop (bench/stage_step.py)."""
-    sys.path.insert(0, str(REPO / "bench"))
     from stage_step import compare, decode, pool_label, pool_section, raw_images
 
     from pairforge.tokenizers.registry import load_image_tokenizer
@@ -194,7 +191,7 @@ def run_stage(backend: str, args: argparse.Namespace, workdir: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--backends", default="ours,chameleon,janus,emu3")
     parser.add_argument("--checkpoint", type=Path, help="pairforge-vq checkpoint to measure")
     parser.add_argument("--threads", type=int, default=2)
@@ -209,7 +206,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="torch device of both paths")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="transformers models' weights and inputs")
-    parser.add_argument("--images-dir", type=Path, default=COCO,
+    parser.add_argument("--images-dir", type=Path, default=COCO_IMAGES,
                         help="photos to encode (default: the shared COCO sample)")
     add_pool_args(parser)  # --stage: the tokenize pool and the sizes measured
     parser.add_argument("--stage", action="store_true",
