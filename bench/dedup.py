@@ -45,6 +45,7 @@ distance was found.
 
 from __future__ import annotations
 
+import argparse
 import io
 import math
 import sys
@@ -161,7 +162,7 @@ def slope(sizes: list[int], seconds: list[float]) -> float:
     return float(np.polyfit(x, y, 1)[0])
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = arg_parser(__doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=[10**4, 10**5, 10**6])
     parser.add_argument("--max-distance", type=int, default=DedupConfig().max_distance)
@@ -179,7 +180,11 @@ def main() -> None:
     parser.add_argument("--join-rows", type=int, default=10**6)
     parser.add_argument("--semantic-rows", type=int, default=10**6)
     parser.add_argument("--probes", type=int, default=2, help="semantic: clusters per row")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
     from dedup_kinds import run_parts  # issue 19's parts live beside this file
 
     if run_parts(args):

@@ -37,12 +37,12 @@ import time
 from pathlib import Path
 
 import aiohttp
+from common import REPO, SAMPLE, arg_parser
 
 from pairforge.config import load_config
 from pairforge.serve.inputs import decode_upload
 
-ROOT = Path(__file__).resolve().parents[1]
-SCENES = sorted((ROOT / "pairforge" / "sample" / "images").glob("*.png"))
+SCENES = sorted((SAMPLE / "images").glob("*.png"))
 
 
 def percentiles(latencies: list[float]) -> dict[str, float]:
@@ -172,9 +172,9 @@ def bare_loop(cfg, bodies: list[bytes], seconds: float) -> dict:  # noqa: ANN001
             "batch": batch, "torch_threads": torch.get_num_threads()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default=str(ROOT / "examples" / "demo.yaml"))
+def _parser() -> argparse.ArgumentParser:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--config", default=str(REPO / "examples" / "demo.yaml"))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--url", help="a running service (default: start one here)")
     parser.add_argument("--phase-s", type=float, default=12.0)
@@ -189,7 +189,11 @@ def main() -> None:
     parser.add_argument("--latency", type=float, metavar="RATE",
                         help="only the latency target: 1 closed-loop client, then Poisson "
                         "arrivals at half of RATE (a saturation rate measured before)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
     overrides = ["serve.cache.max_entries=2000", "process.recaption.torch_threads=1",
                  "ray.num_cpus=2", *args.overrides]
     cfg = load_config(Path(args.config), overrides)
