@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from pairforge.config import PairforgeConfig
+from pairforge.pipeline.caption_index import compact_caption_caches
 from pairforge.pipeline.chain import enabled_steps, stage_steps
 from pairforge.pipeline.entry import RunOptions, summarise
 from pairforge.pipeline.plan import plan_shards
@@ -109,6 +110,8 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
     rows = sum(p.to_process for p in plans)
     display = StageDisplay("process", len(all_ids), rows, len(all_ids) - len(plans),
                            live=show_progress)
+    if plans:  # before any recaption actor starts: it reads its cache's index by lookup
+        compact_caption_caches(cfg, steps, cfg.ray.max_task_retries)
     with contextlib.ExitStack() as scope:
         for step in steps:
             scope.enter_context(step.build_scope(cfg))

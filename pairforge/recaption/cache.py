@@ -17,6 +17,11 @@ encoder's (recaption/vision.py; transformers backend) or the clip section's mode
 vectors grounding and the clip step use; a served captioner). It saves the language
 model's prefill and decode for a re-shot of the same scene that no hash catches; the
 embedding is stored beside the caption.
+
+These parts are the cache's *log*. Actors do not read it whole: stage 3 first folds it
+into an index read by lookup (recaption/cache_index.py, recaption/cache_lookup.py), with
+the answers :class:`CaptionCache` gives over every part (it stays as the reference, and
+for callers that hold a few captions).
 """
 
 from __future__ import annotations
@@ -27,16 +32,18 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairforge.config import PairforgeConfig
 from pairforge.recaption.prompts import DEFAULT_PROMPT
 from pairforge.shards.raw import shard_name
 from pairforge.shards.storage import OutputDir
+
+if TYPE_CHECKING:  # the step's config: stage 3's section and the output section
+    from pairforge.stage import StepConfig
 
 CACHE_FOLDER = "recaption_cache"
 CACHE_SCHEMA = pa.schema([("pixel_hash", pa.string()), ("phash", pa.uint64()),
@@ -68,7 +75,7 @@ def _config_digest(folder: Path) -> str | None:
             if config_file.is_file() else None)
 
 
-def cache_identity(cfg: PairforgeConfig) -> dict[str, Any]:
+def cache_identity(cfg: StepConfig) -> dict[str, Any]:
     """Everything besides the image that decides a cached caption."""
     rc = cfg.process.recaption
     data = resources.files("pairforge.recaption").joinpath("data")
@@ -104,7 +111,7 @@ def identity_digest(identity: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def cache_dir(cfg: PairforgeConfig) -> OutputDir:
+def cache_dir(cfg: StepConfig) -> OutputDir:
     """The folder of this configuration's cache entries."""
     rc = cfg.process.recaption
     root = rc.cache.path or f"{cfg.output.path.rstrip('/')}/{CACHE_FOLDER}"
@@ -112,7 +119,7 @@ def cache_dir(cfg: PairforgeConfig) -> OutputDir:
                      cfg.output.storage_options)
 
 
-def build_id(cfg: PairforgeConfig) -> str:
+def build_id(cfg: StepConfig) -> str:
     """Names this build's parts, so builds sharing a cache folder never overwrite each other."""
     return hashlib.sha256(cfg.output.path.encode()).hexdigest()[:10]
 
@@ -140,7 +147,8 @@ def _bands(phash: int, distance: int) -> list[tuple[int, int]]:
 
 
 class CaptionCache:
-    """Lookups in the cached captions of one identity (read once per actor)."""
+    """Lookups in cached captions held in dicts: ``load`` reads every part of an identity
+    (the reference answers of the index, recaption/cache_lookup.py)."""
 
     def __init__(self, phash_distance: int = 0,
                  embedding_threshold: float | None = None) -> None:
@@ -208,7 +216,7 @@ class CaptionCache:
         return None
 
 
-def write_part(cfg: PairforgeConfig, shard_id: int, rows: list[dict[str, Any]],
+def write_part(cfg: StepConfig, shard_id: int, rows: list[dict[str, Any]],
                column: str = "recaption") -> int:
     """Cache the captions the model made for one shard (in ``column``: a second prompt's
     are recaption_2, under the cache identity of ``cfg``'s prompt); returns how many."""

@@ -29,15 +29,15 @@ from PIL import Image
 from pairforge.config import ModelPoolConfig, PairforgeConfig
 from pairforge.filters.clip import ClipScorer, clip_source
 from pairforge.images import decode_rgb, model_device
-from pairforge.recaption.cache import (
-    CachedCaption,
-    CaptionCache,
-    build_id,
-    cache_dir,
-    write_part,
-)
+from pairforge.recaption.cache import CachedCaption, build_id, cache_dir, write_part
+from pairforge.recaption.cache_lookup import IndexedCaptionCache
 from pairforge.recaption.checked import CheckedCaptioner
-from pairforge.recaption.claims import REGISTRY_PREFIX, find_registry, start_registry
+from pairforge.recaption.claims import (
+    REGISTRY_PREFIX,
+    find_registry,
+    start_registry,
+    stop_registry,
+)
 from pairforge.recaption.detector import OWL_TYPES
 from pairforge.records import process_columns
 from pairforge.sources import (
@@ -176,9 +176,9 @@ class RecaptionStep(ModelStep):
         rc = cfg.process.recaption
         self.device = model_device(rc)
         self.checked = CheckedCaptioner(cfg, self.device)
-        self.cache = (CaptionCache.load(cache_dir(cfg), rc.cache.phash_distance,
-                                        rc.cache.embedding_threshold)
-                      if rc.cache.enabled else CaptionCache())
+        # read by lookup, a bounded number of partitions held (recaption/cache_lookup.py)
+        self.cache = IndexedCaptionCache(cache_dir(cfg) if rc.cache.enabled else None,
+                                         rc.cache.phash_distance, rc.cache.embedding_threshold)
         self.embed_tier = rc.cache.enabled and rc.cache.embedding_threshold is not None
         self.embed_source = rc.embedding_source
         self.registry = find_registry(registry_name(cfg, self.column))
@@ -197,9 +197,7 @@ class RecaptionStep(ModelStep):
         try:
             yield
         finally:
-            import ray
-
-            ray.kill(registry)
+            stop_registry(registry)
 
     @classmethod
     def finish_shard(cls, cfg: PairforgeConfig, shard_id: int,
@@ -231,13 +229,10 @@ class RecaptionStep(ModelStep):
 
     def _call(self, method: Any, *args: Any) -> Any:
         """A registry call; a lost registry only costs the within-build sharing."""
-        import ray
-
-        try:
-            return ray.get(method.remote(*args))
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+        result = method(*args)
+        if self.registry is not None and self.registry.lost:
             self.registry = None
-            return None
+        return result
 
     def _generate_for(self, rows: pa.Table, indices: list[int],
                       vectors: dict[int, Any]) -> dict[int, CachedCaption]:
@@ -272,16 +267,10 @@ class RecaptionStep(ModelStep):
         keys = rows["key"].to_pylist()
         hashes = rows["pixel_hash"].to_pylist()
         phashes = rows["phash"].to_pylist()
-        found: dict[int, tuple[CachedCaption, str]] = {}
-        for i, (h, p) in enumerate(zip(hashes, phashes, strict=True)):
-            hit = self.cache.lookup(h, p)
-            if hit:
-                found[i] = hit
+        # the batch's hashes by partition, each partition read once
+        found = self.cache.lookup_batch(hashes, phashes)
         vectors = self._embed(rows, [i for i in range(rows.num_rows) if i not in found])
-        for i, vector in vectors.items():
-            hit = self.cache.lookup(hashes[i], None, vector)
-            if hit:
-                found[i] = hit
+        found.update(self.cache.lookup_embeddings(vectors))
         todo = [i for i in range(rows.num_rows) if i not in found]
         leaders = dict(zip(todo, self._claims([(hashes[i], keys[i]) for i in todo]),
                            strict=True))

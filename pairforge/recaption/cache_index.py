@@ -1,0 +1,384 @@
+"""The caption cache's index: the log folded into partitions that are read by lookup.
+
+Each output shard's writer appends a log part (``CACHE/IDENTITY/BUILD-SHARD.parquet``,
+recaption/cache.py's ``write_part``). A *compaction* folds the log parts that the newest
+index generation does not hold into a new generation under ``CACHE/IDENTITY/index/``:
+
+- ``gen-NNNNNN-TOKEN/exact/part-P.parquet``: by prefix ``P`` of the pixel hash's
+  ``string_hash``, the entry that answers an exact lookup of each pixel hash (the last in
+  log order);
+- ``gen-NNNNNN-TOKEN/bands/part-P.parquet``: every entry the near tier may serve, once
+  per pigeonhole band of its perceptual hash (``phash_distance + 1`` bands), by prefix of
+  the band's hash, in log order;
+- ``gen-NNNNNN-TOKEN/vectors.parquet``: the stored vectors of entries the embedding tier
+  may serve, in log order, in row groups of ``VECTOR_CHUNK_ROWS``;
+- ``gen-NNNNNN.json``: the generation's marker, written last and atomically. It names the
+  folder, the prefix bits, the ``phash_distance`` the bands were made for and every log
+  part the generation holds, with its size. Generations are immutable.
+
+*Log order* is ``CaptionCache.load``'s: parts by name, rows in order. Each index row
+carries its ``log`` and ``row``, so merges and lookups keep that order however the parts
+were folded in (a new build's parts may sort before older ones).
+
+A compaction is a plan (the driver lists and counts, never reads rows), scatter tasks
+over groups of log parts writing partitioned files (``dedup/shuffle.py``'s
+``write_parts``: one file per task, one row group per partition) into
+``work-NNNNNN-TOKEN/``, merge tasks per group of partitions (the previous generation's
+partition plus the new rows), and the commit. A log part that changed or vanished, or
+another ``phash_distance``, rebuilds from every log part. A stopped compaction leaves a
+work folder and an unmarked generation folder; the next commit deletes them. Builds that
+share a cache folder should not compact it at the same moment: both commits are valid
+generations (the later marker wins), but one's cleanup may delete the other's work.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pairforge.dedup.index_writing import index_part_name, index_prefix_bits
+from pairforge.dedup.shuffle import mix64, read_part, string_hash, write_parts, write_table
+from pairforge.recaption.cache import CACHE_SCHEMA, mentions_text
+from pairforge.shards.storage import OutputDir, atomic_writer
+
+INDEX_FOLDER = "index"
+EXACT_ROWS_PER_PART = 1 << 13
+BAND_ROWS_PER_PART = 1 << 14
+VECTOR_CHUNK_ROWS = 1 << 12
+LOG_ROWS_PER_TASK = 1 << 18  # rows a scatter task reads (whole log parts)
+PARTS_PER_MERGE = 64  # partitions a merge task writes
+KEEP_GENERATIONS = 2  # the newest and the one before (actors of a running build read it)
+
+ORDER = [("log", "ascending"), ("row", "ascending")]
+_ENTRY = [pa.field("recaption", pa.string()), pa.field("flags", pa.list_(pa.string())),
+          pa.field("log", pa.string()), pa.field("row", pa.int32())]
+EXACT_SCHEMA = pa.schema([pa.field("pixel_hash", pa.string()), *_ENTRY])
+BAND_SCHEMA = pa.schema([pa.field("band", pa.int16()), pa.field("bits", pa.uint64()),
+                         pa.field("phash", pa.uint64()), *_ENTRY])
+VECTOR_SCHEMA = pa.schema([pa.field("embedding", pa.list_(pa.float32())), *_ENTRY])
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """One compaction's plan: what the driver decides; tasks do the rest."""
+
+    url: str  # the identity folder (CACHE/IDENTITY)
+    storage_options: dict[str, Any]
+    generation: int
+    token: str
+    phash_distance: int
+    logs: dict[str, int]  # every log part the new generation holds, with its size
+    units: list[list[str]]  # the new log parts each scatter task reads
+    previous: dict[str, Any] | None  # the marker this one extends (None: a rebuild)
+    exact_bits: int = 0
+    bands_bits: int = 0
+    new_rows: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def folder(self) -> OutputDir:
+        return OutputDir(self.url, self.storage_options)
+
+    @property
+    def name(self) -> str:
+        return f"gen-{self.generation:06d}-{self.token}"
+
+    @property
+    def work(self) -> str:
+        return f"work-{self.generation:06d}-{self.token}"
+
+    def work_file(self, kind: str, unit: int) -> str:
+        return self.folder().path(INDEX_FOLDER, self.work, f"{kind}-{unit:05d}.parquet")
+
+    def work_files(self, kind: str) -> list[str]:
+        return [self.work_file(kind, u) for u in range(len(self.units))]
+
+
+# ------------------------------------------------------------------------- generations
+
+
+def list_logs(folder: OutputDir) -> dict[str, int]:
+    """The log parts of an identity folder, by name, with their sizes."""
+    if not folder.exists():
+        return {}
+    found = folder.fs.ls(folder.path(), detail=True)
+    return {posixpath.basename(e["name"]): int(e["size"]) for e in found
+            if e["type"] == "file" and e["name"].endswith(".parquet")}
+
+
+def _markers(folder: OutputDir) -> list[str]:
+    """The committed generations' markers, newest first."""
+    return sorted(folder.glob(f"{INDEX_FOLDER}/gen-*.json"), reverse=True)
+
+
+def newest_marker(folder: OutputDir, phash_distance: int | None = None
+                  ) -> dict[str, Any] | None:
+    """The newest committed generation (built for ``phash_distance``, when given)."""
+    for name in _markers(folder):
+        marker = folder.read_json(INDEX_FOLDER, name)
+        if phash_distance is None or marker["phash_distance"] == phash_distance:
+            return marker
+    return None
+
+
+def part_path(folder: OutputDir, marker: dict[str, Any], kind: str, prefix: int) -> str:
+    bits = marker[f"{kind}_bits"]
+    return folder.path(INDEX_FOLDER, marker["folder"], kind, index_part_name(prefix, bits))
+
+
+def vectors_path(folder: OutputDir, marker: dict[str, Any]) -> str:
+    return folder.path(INDEX_FOLDER, marker["folder"], "vectors.parquet")
+
+
+def plan_compaction(folder: OutputDir, storage_options: dict[str, Any],
+                    phash_distance: int) -> Compaction | None:
+    """What the next generation folds in; None when the newest holds every log part.
+    ``storage_options``: the ones ``folder`` was opened with (the tasks open it again)."""
+    logs = list_logs(folder)
+    markers = _markers(folder)
+    newest = folder.read_json(INDEX_FOLDER, markers[0]) if markers else None
+    held = newest["logs"] if newest else {}
+    if newest and newest["phash_distance"] == phash_distance and held == logs:
+        return None
+    if not logs and not newest:
+        return None
+    rebuild = (newest is None or newest["phash_distance"] != phash_distance
+               or any(logs.get(name) != size for name, size in held.items()))
+    new = sorted(logs) if rebuild else sorted(set(logs) - set(held))
+    return Compaction(folder.url, storage_options, (newest["generation"] + 1) if newest else 1,
+                      uuid.uuid4().hex[:8], phash_distance, logs, [[n] for n in new],
+                      None if rebuild else newest)
+
+
+def count_rows(plan: Compaction, names: list[str]) -> list[int]:
+    """Rows of each log part, from its footer."""
+    folder = plan.folder()
+    counts = []
+    for name in names:
+        with folder.fs.open(folder.path(name), "rb") as f:
+            counts.append(pq.ParquetFile(f).metadata.num_rows)
+    return counts
+
+
+def with_layout(plan: Compaction, rows: dict[str, int]) -> Compaction:
+    """The plan with its prefix bits and scatter units, given each new log part's rows:
+    never fewer bits than the previous generation's (its partitions are split, not
+    joined)."""
+    new_rows = sum(rows.values())
+    previous = plan.previous or {}
+    entries = previous.get("counts", {}).get("exact", 0) + new_rows
+    bands = previous.get("counts", {}).get("bands", 0) + new_rows * (plan.phash_distance + 1)
+    exact_bits = max(index_prefix_bits(entries, EXACT_ROWS_PER_PART),
+                     previous.get("exact_bits", 0))
+    bands_bits = max(index_prefix_bits(bands, BAND_ROWS_PER_PART), previous.get("bands_bits", 0))
+    units: list[list[str]] = []
+    size = LOG_ROWS_PER_TASK
+    for name in [n for unit in plan.units for n in unit]:
+        if size + rows[name] > LOG_ROWS_PER_TASK:
+            units.append([])
+            size = 0
+        units[-1].append(name)
+        size += rows[name]
+    return replace(plan, units=units, exact_bits=exact_bits, bands_bits=bands_bits,
+                   new_rows=new_rows)
+
+
+def merge_groups(bits: int) -> list[list[int]]:
+    """The partitions of ``bits`` in groups of ``PARTS_PER_MERGE``: one merge task each."""
+    parts = list(range(1 << bits))
+    return [parts[i:i + PARTS_PER_MERGE] for i in range(0, len(parts), PARTS_PER_MERGE)]
+
+
+def commit(plan: Compaction, counts: dict[str, int]) -> dict[str, Any]:
+    """Write the generation's marker (last, atomically), then delete what no kept
+    generation needs: older generations, stopped compactions' folders, this work folder."""
+    folder = plan.folder()
+    marker = {"generation": plan.generation, "folder": plan.name, "logs": plan.logs,
+              "phash_distance": plan.phash_distance, "exact_bits": plan.exact_bits,
+              "bands_bits": plan.bands_bits, "counts": counts}
+    folder.write_json(marker, INDEX_FOLDER, f"gen-{plan.generation:06d}.json")
+    kept = _markers(folder)[:KEEP_GENERATIONS]
+    keep = {folder.read_json(INDEX_FOLDER, m)["folder"] for m in kept} | set(kept)
+    for name in folder.glob(f"{INDEX_FOLDER}/*"):
+        number = int(name.split("-")[1].split(".")[0]) if name.count("-") else 0
+        if name not in keep and number <= plan.generation:
+            folder.fs.rm(folder.path(INDEX_FOLDER, name), recursive=True)
+    return marker
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def read_log(folder: OutputDir, name: str) -> pa.Table:
+    """One log part as written, with an empty embedding column where it has none (a part
+    written before the tier)."""
+    with folder.fs.open(folder.path(name), "rb") as f:
+        table = pq.read_table(f)
+    if "embedding" not in table.column_names:
+        table = table.append_column("embedding", pa.nulls(table.num_rows,
+                                                          CACHE_SCHEMA.field("embedding").type))
+    return table.select(CACHE_SCHEMA.names).cast(CACHE_SCHEMA)
+
+
+def index_rows(table: pa.Table, log: str, phash_distance: int
+               ) -> tuple[pa.Table, pa.Table, pa.Table]:
+    """(exact, band, vector) rows of one log part, each with its log order."""
+    n = table.num_rows
+    entry = {"recaption": table["recaption"], "flags": table["flags"],
+             "log": pa.array([log] * n, pa.string()), "row": pa.array(np.arange(n, dtype=np.int32))}
+    exact = pa.table({"pixel_hash": table["pixel_hash"], **entry}, schema=EXACT_SCHEMA)
+    reusable = np.array([c is not None and not mentions_text(c)
+                         for c in table["recaption"].to_pylist()], dtype=bool)
+    has_vector = table["embedding"].is_valid().to_numpy()
+    vectors = pa.table({"embedding": table["embedding"], **entry}, schema=VECTOR_SCHEMA
+                       ).filter(pa.array(reusable & has_vector))
+    return exact, _band_rows(table, entry, reusable, phash_distance), vectors
+
+
+def band_values(phash: np.ndarray, distance: int) -> list[np.ndarray]:
+    """Each pigeonhole band's bits of every hash, in band order (``cache._bands``)."""
+    count = distance + 1
+    width = 64 // count
+    bands = []
+    for i in range(count):
+        bits = 64 - i * width if i == count - 1 else width
+        mask = np.uint64((1 << bits) - 1)
+        bands.append((phash >> np.uint64(i * width)) & mask)
+    return bands
+
+
+def _band_rows(table: pa.Table, entry: dict[str, Any], reusable: np.ndarray,
+               distance: int) -> pa.Table:
+    if not distance:
+        return BAND_SCHEMA.empty_table()
+    keep = reusable & table["phash"].is_valid().to_numpy()
+    rows = np.flatnonzero(keep)
+    phash = table["phash"].take(rows).to_numpy().astype(np.uint64)
+    chosen = pa.table(entry).take(rows)
+    tables = [pa.table({"band": pa.array(np.full(len(rows), i, np.int16)), "bits": bits,
+                        "phash": phash, **{k: chosen[k] for k in chosen.column_names}},
+                       schema=BAND_SCHEMA)
+              for i, bits in enumerate(band_values(phash, distance))]
+    return pa.concat_tables(tables).sort_by(ORDER)
+
+
+def prefix_of(hashes: np.ndarray, bits: int) -> np.ndarray:
+    if bits == 0:
+        return np.zeros(len(hashes), np.int64)
+    return (hashes >> np.uint64(64 - bits)).astype(np.int64)
+
+
+def exact_prefix(pixel_hashes: pa.Array | pa.ChunkedArray, bits: int) -> np.ndarray:
+    return prefix_of(string_hash(pixel_hashes), bits)
+
+
+def band_prefix(band: np.ndarray, bits_values: np.ndarray, bits: int) -> np.ndarray:
+    return prefix_of(mix64(bits_values.astype(np.uint64) ^ mix64(band.astype(np.uint64))),
+                     bits)
+
+
+# ------------------------------------------------------------------------------ tasks
+
+
+def scatter(plan: Compaction, unit: int) -> dict[str, int]:
+    """Read one group of log parts; write their exact and band rows partitioned by
+    prefix, and their vectors, into the work folder."""
+    folder = plan.folder()
+    found = [index_rows(read_log(folder, name), name, plan.phash_distance)
+             for name in plan.units[unit]]
+    exact = pa.concat_tables([EXACT_SCHEMA.empty_table(), *(f[0] for f in found)])
+    bands = pa.concat_tables([BAND_SCHEMA.empty_table(), *(f[1] for f in found)])
+    vectors = pa.concat_tables([VECTOR_SCHEMA.empty_table(), *(f[2] for f in found)])
+    write_parts(folder.fs, plan.work_file("exact", unit), exact,
+                exact_prefix(exact["pixel_hash"], plan.exact_bits))
+    write_parts(folder.fs, plan.work_file("bands", unit), bands,
+                band_prefix(bands["band"].to_numpy(), bands["bits"].to_numpy(), plan.bands_bits))
+    write_table(folder.fs, plan.work_file("vectors", unit), vectors)
+    return {"exact": len(exact), "bands": len(bands), "vectors": len(vectors)}
+
+
+def _previous_part(plan: Compaction, kind: str, prefix: int, schema: pa.Schema) -> pa.Table:
+    """The previous generation's rows of ``prefix`` (its partition, split when it had
+    fewer bits)."""
+    if plan.previous is None:
+        return schema.empty_table()
+    folder = plan.folder()
+    bits = getattr(plan, f"{kind}_bits")
+    old_bits = plan.previous[f"{kind}_bits"]
+    path = part_path(folder, plan.previous, kind, prefix >> (bits - old_bits))
+    with folder.fs.open(path, "rb") as f:
+        table = pq.read_table(f).replace_schema_metadata(None).cast(schema)
+    if bits == old_bits:
+        return table
+    own = (exact_prefix(table["pixel_hash"], bits) if kind == "exact" else
+           band_prefix(table["band"].to_numpy(), table["bits"].to_numpy(), bits))
+    return table.filter(pa.array(own == prefix))
+
+
+def last_per_hash(table: pa.Table) -> pa.Table:
+    """Each pixel hash's last row in log order: the entry its exact lookups get."""
+    table = table.sort_by(ORDER)
+    indexed = table.append_column("i", pa.array(np.arange(len(table), dtype=np.int64)))
+    last = indexed.group_by("pixel_hash").aggregate([("i", "max")])["i_max"].to_numpy()
+    return table.take(np.sort(last))
+
+
+def merge(plan: Compaction, kind: str, prefixes: list[int]) -> int:
+    """Write partitions ``prefixes`` of ``kind`` ("exact" or "bands") of the new
+    generation: the previous generation's rows and the new ones, in log order."""
+    folder = plan.folder()
+    schema = EXACT_SCHEMA if kind == "exact" else BAND_SCHEMA
+    bits = getattr(plan, f"{kind}_bits")
+    new = read_part(folder.fs, plan.work_files(kind), prefixes, schema)
+    own = (exact_prefix(new["pixel_hash"], bits) if kind == "exact" else
+           band_prefix(new["band"].to_numpy(), new["bits"].to_numpy(), bits))
+    written = 0
+    for prefix in prefixes:
+        table = pa.concat_tables([_previous_part(plan, kind, prefix, schema),
+                                  new.filter(pa.array(own == prefix))])
+        table = last_per_hash(table) if kind == "exact" else table.sort_by(ORDER)
+        write_table(folder.fs, folder.path(INDEX_FOLDER, plan.name, kind,
+                                           index_part_name(prefix, bits)), table)
+        written += len(table)
+    return written
+
+
+def merge_vectors(plan: Compaction) -> int:
+    """The new generation's vectors: the previous ones and the new, in log order, in
+    chunks of ``VECTOR_CHUNK_ROWS`` (one task: every vector passes through it)."""
+    folder = plan.folder()
+    tables = [VECTOR_SCHEMA.empty_table()]
+    if plan.previous is not None:
+        with folder.fs.open(vectors_path(folder, plan.previous), "rb") as f:
+            tables.append(pq.read_table(f).replace_schema_metadata(None).cast(VECTOR_SCHEMA))
+    for path in plan.work_files("vectors"):
+        with folder.fs.open(path, "rb") as f:
+            tables.append(pq.read_table(f).replace_schema_metadata(None).cast(VECTOR_SCHEMA))
+    table = pa.concat_tables(tables).sort_by(ORDER)
+    path = folder.path(INDEX_FOLDER, plan.name, "vectors.parquet")
+    folder.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    with atomic_writer(folder.fs, path) as handle:
+        pq.write_table(table, handle, row_group_size=VECTOR_CHUNK_ROWS)
+    return len(table)
+
+
+def compact(folder: OutputDir, storage_options: dict[str, Any],
+            phash_distance: int) -> dict[str, Any] | None:
+    """A whole compaction in this process (``pipeline/caption_index.py`` runs the same
+    steps as Ray tasks); returns the new marker, or None when there was nothing to do."""
+    plan = plan_compaction(folder, storage_options, phash_distance)
+    if plan is None:
+        return None
+    names = [n for unit in plan.units for n in unit]
+    plan = with_layout(plan, dict(zip(names, count_rows(plan, names), strict=True)))
+    for unit in range(len(plan.units)):
+        scatter(plan, unit)
+    counts = {"exact": sum(merge(plan, "exact", g) for g in merge_groups(plan.exact_bits)),
+              "bands": sum(merge(plan, "bands", g) for g in merge_groups(plan.bands_bits)),
+              "vectors": merge_vectors(plan)}
+    return commit(plan, counts)

@@ -1,0 +1,304 @@
+"""Lookups in the caption cache's index (recaption/cache_index.py), a batch at a time.
+
+What a recaption actor holds of the cache: the newest generation's marker, the
+partitions the latest batches touched (an LRU bounded by bytes, ``max_bytes``), and the
+*tail*: log parts that generation does not hold, read whole when they are few (a direct
+use of the step, or an actor restarted while its build wrote shards; stage 3 compacts
+before its actors start, so normally there is none). The answers are those of
+``CaptionCache.load`` over every log part (recaption/cache.py):
+
+- exact pixel hash: the last entry in log order;
+- perceptual hash within ``phash_distance``: the first match in band order, then in log
+  order (the bands of the generation built for this distance);
+- the embedding tier: the highest cosine over the stored vectors, the first in log order
+  among equals, when it reaches ``embedding_threshold``. The vectors are scanned in
+  chunks (an exact scan, bounded memory: the chunks share the LRU), so its cost grows
+  with the number of stored vectors; an inverted-file layout (clustered vectors, the
+  nearest clusters probed) is not built yet.
+
+A batch's hashes are grouped by partition, and each partition is read once per batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pairforge.recaption.cache import CachedCaption
+from pairforge.recaption.cache_index import (
+    BAND_SCHEMA,
+    EXACT_SCHEMA,
+    ORDER,
+    VECTOR_SCHEMA,
+    band_prefix,
+    band_values,
+    exact_prefix,
+    index_rows,
+    last_per_hash,
+    list_logs,
+    newest_marker,
+    part_path,
+    read_log,
+    vectors_path,
+)
+from pairforge.shards.storage import OutputDir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_BYTES = 64 << 20  # partitions an actor keeps between batches
+TAIL_ROWS = 1 << 16  # more unheld log rows than this: the tail is left out (a warning)
+
+Order = tuple[str, int]  # (log part, row): log order
+Hit = tuple[CachedCaption, str]
+
+
+class PartitionLRU:
+    """Partitions by key, the least recently used dropped beyond ``max_bytes`` (one
+    partition larger than that is still held, alone)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.items: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self.bytes = 0
+        self.reads = 0
+
+    def get(self, key: Any, load: Callable[[], tuple[Any, int]]) -> Any:
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key][0]
+        value, size = load()
+        self.reads += 1
+        self.items[key] = (value, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes and len(self.items) > 1:
+            _, (_, dropped) = self.items.popitem(last=False)
+            self.bytes -= dropped
+        return value
+
+
+@dataclass
+class Rows:
+    """Index rows in log order, with what each tier compares held as arrays."""
+
+    table: pa.Table
+
+    def entry(self, i: int) -> tuple[Order, CachedCaption]:
+        flags = self.table["flags"][i].as_py() or ()
+        return ((self.table["log"][i].as_py(), self.table["row"][i].as_py()),
+                CachedCaption(self.table["recaption"][i].as_py(), tuple(flags)))
+
+
+class ExactRows(Rows):
+    def find(self, hashes: list[str]) -> list[int | None]:
+        """The row of each hash (one row per hash: the last in log order)."""
+        return pc.index_in(pa.array(hashes, pa.string()),
+                           value_set=self.table["pixel_hash"]).to_pylist()
+
+
+class BandRows(Rows):
+    def __init__(self, table: pa.Table) -> None:
+        super().__init__(table)
+        self.band = table["band"].to_numpy()
+        self.bits = table["bits"].to_numpy()
+        self.phash = table["phash"].to_numpy()
+
+    def first_near(self, band: int, bits: int, phash: int, distance: int) -> int | None:
+        """The first row of band ``band`` holding ``bits`` within ``distance`` of ``phash``."""
+        rows = np.flatnonzero((self.band == band) & (self.bits == np.uint64(bits)))
+        close = rows[np.bitwise_count(self.phash[rows] ^ np.uint64(phash)) <= distance]
+        return int(close[0]) if len(close) else None
+
+
+class VectorRows(Rows):
+    def __init__(self, table: pa.Table) -> None:
+        super().__init__(table)
+        flat = pc.list_flatten(table["embedding"]).to_numpy()
+        self.matrix = flat.reshape(len(table), -1) if len(table) else np.zeros((0, 0), "f4")
+
+
+def _nbytes(rows: Rows) -> int:
+    return rows.table.nbytes + sum(getattr(rows, a).nbytes for a in
+                                   ("band", "bits", "phash", "matrix") if hasattr(rows, a))
+
+
+def _read(folder: OutputDir, path: str, schema: pa.Schema, **kwargs: Any) -> pa.Table:
+    with folder.fs.open(path, "rb") as f:
+        return pq.read_table(f, **kwargs).replace_schema_metadata(None).cast(schema)
+
+
+class IndexedCaptionCache:
+    """The recaption step's view of one identity's cache (see the module doc)."""
+
+    def __init__(self, folder: OutputDir | None, phash_distance: int = 0,
+                 embedding_threshold: float | None = None,
+                 max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        """``folder``: the identity's folder (None: the cache is off, nothing is found)."""
+        self.folder = folder
+        self.phash_distance = phash_distance
+        self.embedding_threshold = embedding_threshold
+        there = folder is not None and folder.exists()
+        self.marker = newest_marker(folder, phash_distance) if there else None
+        self.partitions = PartitionLRU(max_bytes)
+        self.tail = self._read_tail() if there else None
+
+    def _read_tail(self) -> tuple[ExactRows, BandRows, VectorRows] | None:
+        held = self.marker["logs"] if self.marker else {}
+        logs = list_logs(self.folder)
+        unheld = [n for n in sorted(logs) if held.get(n) != logs[n]]
+        if not unheld:
+            return None
+        rows = 0
+        for name in unheld:
+            with self.folder.fs.open(self.folder.path(name), "rb") as f:
+                rows += pq.ParquetFile(f).metadata.num_rows
+        if rows > TAIL_ROWS:
+            log.warning("caption cache %s: %d rows not in its index yet; left out until the "
+                        "next compaction", self.folder.url, rows)
+            return None
+        found = [index_rows(read_log(self.folder, n), n, self.phash_distance) for n in unheld]
+        exact = pa.concat_tables([EXACT_SCHEMA.empty_table(), *(f[0] for f in found)])
+        bands = pa.concat_tables([BAND_SCHEMA.empty_table(), *(f[1] for f in found)])
+        vectors = pa.concat_tables([VECTOR_SCHEMA.empty_table(), *(f[2] for f in found)])
+        return (ExactRows(last_per_hash(exact)), BandRows(bands.sort_by(ORDER)),
+                VectorRows(vectors))
+
+    def _partition(self, kind: str, prefix: int) -> Rows:
+        def load() -> tuple[Rows, int]:
+            path = part_path(self.folder, self.marker, kind, prefix)
+            rows = (ExactRows(_read(self.folder, path, EXACT_SCHEMA)) if kind == "exact"
+                    else BandRows(_read(self.folder, path, BAND_SCHEMA)))
+            return rows, _nbytes(rows)
+
+        return self.partitions.get((kind, prefix), load)
+
+    @property
+    def wants_embeddings(self) -> bool:
+        stored = (self.marker or {}).get("counts", {}).get("vectors", 0)
+        tail = len(self.tail[2].table) if self.tail else 0
+        return self.embedding_threshold is not None and bool(stored or tail)
+
+    # -- exact and near tiers ---------------------------------------------------------
+
+    def lookup_batch(self, hashes: list[str], phashes: list[int | None]) -> dict[int, Hit]:
+        """The exact and perceptual-hash hits of a batch, by row."""
+        found = {i: (entry, "cache") for i, (_, entry) in self._exact(hashes).items()}
+        if self.phash_distance:
+            near = [(i, p) for i, p in enumerate(phashes) if i not in found and p is not None]
+            found.update((i, (entry, "cache_phash")) for i, entry in self._near(near).items())
+        return found
+
+    def _exact(self, hashes: list[str]) -> dict[int, tuple[Order, CachedCaption]]:
+        best: dict[int, tuple[Order, CachedCaption]] = {}
+        sources: list[tuple[ExactRows, list[int]]] = []
+        if self.marker is not None and hashes:
+            prefixes = exact_prefix(pa.array(hashes, pa.string()), self.marker["exact_bits"])
+            for prefix in np.unique(prefixes).tolist():
+                sources.append((self._partition("exact", prefix),
+                                np.flatnonzero(prefixes == prefix).tolist()))
+        if self.tail is not None:
+            sources.append((self.tail[0], list(range(len(hashes)))))
+        for rows, wanted in sources:
+            for i, at in zip(wanted, rows.find([hashes[i] for i in wanted]), strict=True):
+                if at is not None:
+                    order, entry = rows.entry(at)
+                    if i not in best or order > best[i][0]:  # the last in log order
+                        best[i] = (order, entry)
+        return best
+
+    def _near(self, queries: list[tuple[int, int]]) -> dict[int, CachedCaption]:
+        """First match in band order, then in log order, for each (row, phash)."""
+        if not queries:
+            return {}
+        distance = self.phash_distance
+        values = band_values(np.array([p for _, p in queries], np.uint64), distance)
+        firsts: dict[tuple[int, int], tuple[Order, CachedCaption]] = {}
+        if self.marker is not None:
+            self._near_in_index(queries, values, firsts)
+        found: dict[int, CachedCaption] = {}
+        for q, (i, phash) in enumerate(queries):
+            for band in range(distance + 1):
+                candidates = [firsts[(q, band)]] if (q, band) in firsts else []
+                if self.tail is not None:
+                    at = self.tail[1].first_near(band, int(values[band][q]), phash, distance)
+                    if at is not None:
+                        candidates.append(self.tail[1].entry(at))
+                if candidates:
+                    found[i] = min(candidates, key=lambda c: c[0])[1]
+                    break
+        return found
+
+    def _near_in_index(self, queries: list[tuple[int, int]], values: list[np.ndarray],
+                       firsts: dict[tuple[int, int], tuple[Order, CachedCaption]]) -> None:
+        bits = self.marker["bands_bits"]
+        prefixes = [band_prefix(np.full(len(queries), band), v, bits)
+                    for band, v in enumerate(values)]
+        for prefix in np.unique(np.concatenate(prefixes)).tolist():
+            rows = self._partition("bands", prefix)
+            for band, of_band in enumerate(prefixes):
+                for q in np.flatnonzero(of_band == prefix).tolist():
+                    at = rows.first_near(band, int(values[band][q]), queries[q][1],
+                                         self.phash_distance)
+                    if at is not None:
+                        firsts[(q, band)] = rows.entry(at)
+
+    # -- embedding tier ---------------------------------------------------------------
+
+    def lookup_embeddings(self, vectors: dict[int, Any]) -> dict[int, Hit]:
+        """The embedding tier's hits of the rows whose vectors are given."""
+        if not vectors or not self.wants_embeddings:
+            return {}
+        rows = list(vectors)
+        queries = np.stack([np.asarray(vectors[i], dtype=np.float32) for i in rows])
+        best: list[tuple[float, Order, CachedCaption] | None] = [None] * len(rows)
+        for chunk in self._vector_chunks():
+            if not len(chunk.table):
+                continue
+            cosines = chunk.matrix @ queries.T  # (stored, queries)
+            top = np.argmax(cosines, axis=0)  # the first of equals
+            for q, at in enumerate(top.tolist()):
+                score = float(cosines[at, q])
+                order, entry = chunk.entry(at)
+                held = best[q]
+                if held is None or score > held[0] or (score == held[0] and order < held[1]):
+                    best[q] = (score, order, entry)
+        return {i: (b[2], "cache_embedding") for i, b in zip(rows, best, strict=True)
+                if b is not None and b[0] >= self.embedding_threshold}
+
+    def _vector_chunks(self) -> Iterator[VectorRows]:
+        """The stored vectors chunk by chunk, in log order (one chunk held at a time,
+        beyond what the LRU keeps), then the tail's."""
+        stored = (self.marker or {}).get("counts", {}).get("vectors", 0)
+        if stored:
+            path = vectors_path(self.folder, self.marker)
+            with self.folder.fs.open(path, "rb") as f:
+                groups = pq.ParquetFile(f).num_row_groups
+            for group in range(groups):
+                yield self._vector_chunk(path, group)
+        if self.tail is not None:
+            yield self.tail[2]
+
+    def _vector_chunk(self, path: str, group: int) -> VectorRows:
+        def load() -> tuple[VectorRows, int]:
+            with self.folder.fs.open(path, "rb") as f:
+                table = pq.ParquetFile(f).read_row_group(group)
+            rows = VectorRows(table.replace_schema_metadata(None).cast(VECTOR_SCHEMA))
+            return rows, _nbytes(rows)
+
+        return self.partitions.get(("vectors", group), load)
+
+    # -- one row ----------------------------------------------------------------------
+
+    def lookup(self, pixel_hash: str, phash: int | None, embedding: Any = None) -> Hit | None:
+        """(entry, tier) for the first tier that answers, as ``CaptionCache.lookup``."""
+        hit = self.lookup_batch([pixel_hash], [phash]).get(0)
+        if hit is None and embedding is not None:
+            hit = self.lookup_embeddings({0: embedding}).get(0)
+        return hit
