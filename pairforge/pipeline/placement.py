@@ -43,8 +43,9 @@ def fit_actor_cpus(steps: list[type[Step]], cfg: PairforgeConfig,
     return {name: round(p.num_cpus * scale, 4) for name, p in pools.items()}
 
 
-# Rows per block through the model steps. Ray Data's executor runs on the driver and
-# spends CPU on every block of every operator: cut to the smallest batch size (16 rows),
+# Rows per block through the model steps. Ray Data's executor (stage 3's coordinator
+# task, pipeline/stream.py; the driver before issue 48) spends CPU on every block of every
+# operator: cut to the smallest batch size (16 rows),
 # stage 3 cost the driver 93 CPU-seconds per 10^5 rows on the cheap chain (~30 % of a
 # core) and 6.6 at 1,024 rows, which also ran 1.34x the rows/s (bench/stage3.py, issue 48).
 # A 10^4-row shard still spreads over ten actor tasks.
@@ -52,9 +53,10 @@ BLOCK_ROWS = 1024
 
 
 def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
-              actor_cpus: dict[str, float], drop_after: tuple[str, ...] = ()) -> Any:
+              actor_cpus: dict[str, float], drop_after: tuple[str, ...] = (),
+              block_rows: int = BLOCK_ROWS) -> Any:
     """Append the step chain; the last step drops the ``drop_after`` columns. Before the
-    first model step, cut the blocks into blocks of ``BLOCK_ROWS`` rows (or the largest
+    first model step, cut the blocks into blocks of ``block_rows`` rows (or the largest
     model ``batch_size``). A shard arrives as one block, and one block goes to one actor:
     cut, it spreads over every actor of a pool, several model calls per actor task. The
     plain steps before it stay fused with the reading task, one task per shard."""
@@ -65,7 +67,7 @@ def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
     cut = False
     for i, step in enumerate(steps):
         if issubclass(step, ModelStep) and not cut:
-            ds = _cut_into_blocks(ds, max(*batch_sizes, BLOCK_ROWS))
+            ds = _cut_into_blocks(ds, max(*batch_sizes, block_rows))
             cut = True
         ds = add_step(ds, step, cfg, actor_cpus, drop_after if i == len(steps) - 1 else ())
     return ds

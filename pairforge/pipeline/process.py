@@ -116,8 +116,8 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
         for step in steps:
             scope.enter_context(step.build_scope(cfg))
         with display:
-            stream_shards(cfg, out, plans, steps, write_shard_task, stats_extra, display,
-                          _writer_drops(cfg, steps))
+            coordinator_cpu_s = stream_shards(cfg, out, plans, steps, write_shard_task,
+                                              stats_extra, display, _writer_drops(cfg, steps))
     for plan in plans:
         log_shard(out, SHARDS_FOLDER, out.read_json(SHARDS_FOLDER, stats_name(plan.shard_id)))
     # a writer attempt lost with its node leaves its temporary file; its retry wrote the shard
@@ -130,4 +130,5 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
         write_dataset_files(out, manifest)
     summary = summarise(out, SHARDS_FOLDER, all_ids)
     return {**summary, "shards_skipped": len(all_ids) - len(plans), "seconds": round(seconds, 2),
-            "rows_per_s": round(rows / seconds, 1) if rows else None, **stats_extra}
+            "rows_per_s": round(rows / seconds, 1) if rows else None,
+            "coordinator_cpu_s": round(coordinator_cpu_s, 2), **stats_extra}

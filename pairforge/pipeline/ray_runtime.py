@@ -13,7 +13,7 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -245,6 +245,28 @@ def driver_local_actor(cls: type, *args: Any) -> Any:
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return ray.remote(num_cpus=0)(cls).options(scheduling_strategy=here).remote(*args)
+
+
+def on_driver_node(generator: Callable[..., Iterator[Any]], *args: Any) -> Iterator[Any]:
+    """Run ``generator(*args)`` as a zero-CPU Ray task on the driver's own node and yield
+    what it yields, as it yields it. Work that a Ray library does per block or per task
+    (Ray Data's streaming executor) then runs there, not in the driver process; the node
+    is the driver's, so losing a worker node cannot take it down. Not retried: a rerun
+    resumes the stage from its complete shards."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    task = ray.remote(num_cpus=0, max_retries=0)(generator)
+    try:
+        for ref in task.options(scheduling_strategy=here).remote(*args):
+            yield ray.get(ref)
+    except ray.exceptions.RayTaskError as err:
+        # what the work raised, as if it had run here (a ConfigError stays one, with its
+        # message); the task's traceback stays attached as the cause
+        if err.cause is None:
+            raise
+        raise err.cause from err
 
 
 def shutdown_ray() -> None:

@@ -15,8 +15,11 @@ columns (pairforge/stage.py's ``ScoringStep``).
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -25,10 +28,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairforge.config import PairforgeConfig
+from pairforge.pipeline import placement
 from pairforge.pipeline.placement import TASK_CPUS, add_steps, fit_actor_cpus
 from pairforge.pipeline.plan import Decisions, ShardPlan
 from pairforge.pipeline.progress import StageDisplay
-from pairforge.pipeline.ray_runtime import quiet_ray_data
+from pairforge.pipeline.ray_runtime import on_driver_node, quiet_ray_data
 from pairforge.records import RAW_COLUMNS, STEP_INPUT_COLUMNS, Status
 from pairforge.shards.raw import shard_name
 from pairforge.shards.storage import FRAGMENTS_FOLDER, RAW_FOLDER, SCORES_FOLDER, OutputDir
@@ -206,16 +210,21 @@ def remove_fragment_folder(out: OutputDir) -> None:
         out.fs.rm(out.path(FRAGMENTS_FOLDER), recursive=True)
 
 
-class _Progress:
-    """What the driver knows of the shards in flight: their fragments and row counts."""
+# How often the coordinator task hands the driver a snapshot of its progress: the driver's
+# work is per snapshot, never per row, block or fragment.
+SNAPSHOT_S = 0.5
 
-    def __init__(self, display: StageDisplay | None, steps: list[type[Step]]) -> None:
-        self.display, self.steps = display, steps
+
+class _Progress:
+    """What the coordinator knows of the shards in flight: their fragments and row counts."""
+
+    def __init__(self, done: int) -> None:
         self.fragments: dict[int, list[str]] = defaultdict(list)
         self.received: Counter = Counter()
         self.statuses: Counter = Counter()
         self.through: Counter = Counter()  # rows each step has passed
-        self.done = display.shards_done if display else 0
+        self.done = done
+        self.sent = 0.0  # when the last snapshot left
 
     def add(self, record: dict[str, Any]) -> int:
         """One fragment's record; returns its shard's rows received so far."""
@@ -231,41 +240,91 @@ class _Progress:
         self.received.pop(shard_id, None)
         return self.fragments.pop(shard_id, [])
 
-    def show(self) -> None:
-        if self.display:
-            self.display.update(dict(self.statuses), self.done,
-                                {s.name: self.through[s.name] for s in self.steps})
+    def snapshot(self, force: bool = False) -> dict[str, Any] | None:
+        """The counts for the display, at most every ``SNAPSHOT_S`` unless ``force``."""
+        if not force and time.monotonic() - self.sent < SNAPSHOT_S:
+            return None
+        self.sent = time.monotonic()
+        return {"statuses": dict(self.statuses), "done": self.done,
+                "through": dict(self.through)}
 
 
 def stream_shards(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
                   steps: list[type[Step]], writer: Writer, stats_extra: dict[str, Any],
-                  display: StageDisplay | None, drop: tuple[str, ...] = ("image",)) -> None:
+                  display: StageDisplay | None, drop: tuple[str, ...] = ("image",)) -> float:
     """Run the step chain over the planned shards, handing each full shard's fragments to
     ``writer``; ``drop``: the columns the last step drops (the image, where the writer
-    does not write it)."""
-    import ray
+    does not write it). The chain runs from a coordinator task on the driver's node
+    (``_coordinate``): Ray Data's streaming executor spends CPU on every block of every
+    operator wherever the dataset is iterated, so the driver only shows snapshots.
+    Returns the coordinator's CPU seconds."""
+    done = display.shards_done if display else 0
+    cpu_s = 0.0
+    chain = _ChainSettings(drop, placement.BLOCK_ROWS, _driver_data_context())
+    for snapshot in on_driver_node(_coordinate, cfg, out, plans, steps, writer,
+                                   stats_extra, chain, done):
+        if display:
+            display.update(snapshot["statuses"], snapshot["done"],
+                           {s.name: snapshot["through"].get(s.name, 0) for s in steps})
+        cpu_s = snapshot.get("cpu_s", cpu_s)
+    return cpu_s
 
+
+@dataclass(frozen=True)
+class _ChainSettings:
+    """What the coordinator's chain takes from the driver's process: the columns the last
+    step drops, the rows per block, and the driver's Ray Data settings where it made any
+    (a program that sets ``DataContext`` before it runs a stage expects them to hold)."""
+
+    drop: tuple[str, ...]
+    block_rows: int
+    data_context: dict[str, Any] | None
+
+
+def _driver_data_context() -> dict[str, Any] | None:
+    data = sys.modules.get("ray.data")  # not imported: nothing was set, and none is needed
+    if data is None:
+        return None
+    context = data.DataContext.get_current()
+    return {f.name: getattr(context, f.name) for f in fields(context)}
+
+
+def _coordinate(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
+                steps: list[type[Step]], writer: Writer, stats_extra: dict[str, Any],
+                chain: _ChainSettings, done: int) -> Iterator[dict[str, Any]]:
+    """The coordinator: the chain's fragment records in, writer tasks out, snapshots of
+    the counts yielded to the driver; the last one carries this task's CPU seconds."""
+    import ray
+    from ray.data import DataContext
+
+    started = time.process_time()
+    context = DataContext.get_current()
+    for name, value in (chain.data_context or {}).items():
+        setattr(context, name, value)
     quiet_ray_data()
     write = ray.remote(num_cpus=TASK_CPUS, max_retries=cfg.ray.max_task_retries)(writer)
     by_id = {p.shard_id: p for p in plans}
-    progress = _Progress(display, steps)
+    progress = _Progress(done)
     writes = [write.remote(cfg, p, [], stats_extra, steps) for p in plans if not p.to_process]
     progress.done += len(writes)
     todo = [p for p in plans if p.to_process]
     if todo:
-        for batch in _chain(cfg, out, todo, steps, drop).iter_batches(
+        for batch in _chain(cfg, out, todo, steps, chain).iter_batches(
                 batch_format="pyarrow", batch_size=None):
             for record in batch.to_pylist():
                 shard_id = record["shard"]
                 if progress.add(record) == by_id[shard_id].to_process:
                     writes.append(write.remote(cfg, by_id[shard_id],
                                                progress.finished(shard_id), stats_extra, steps))
-            progress.show()
+            snapshot = progress.snapshot()
+            if snapshot:
+                yield snapshot
     ray.get(writes)
+    yield {**progress.snapshot(force=True), "cpu_s": time.process_time() - started}
 
 
 def _chain(cfg: PairforgeConfig, out: OutputDir, todo: list[ShardPlan],
-           steps: list[type[Step]], drop: tuple[str, ...]) -> Any:
+           steps: list[type[Step]], chain: _ChainSettings) -> Any:
     """The Ray Data pipeline: read each shard, the steps, the fragment writers."""
     import ray
 
@@ -276,7 +335,8 @@ def _chain(cfg: PairforgeConfig, out: OutputDir, todo: list[ShardPlan],
                         fn_args=(out.url, cfg.output.storage_options, todo[0].decisions,
                                  *_cached_columns(steps)))
     actor_cpus = fit_actor_cpus(steps, cfg, ray.cluster_resources().get("CPU", 1.0))
-    ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=drop)
+    ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=chain.drop,
+                   block_rows=chain.block_rows)
     return ds.map_batches(write_fragments, batch_size=None, batch_format="pyarrow",
                           num_cpus=TASK_CPUS,
                           fn_args=(out.url, cfg.output.storage_options,
