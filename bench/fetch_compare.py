@@ -37,6 +37,7 @@ from fetch_urllib3 import Urllib3Fetcher
 from pairforge.config import DownloadConfig, load_config  # noqa: E402
 from pairforge.download import shard as shard_module  # noqa: E402
 from pairforge.download.fetch import Fetcher  # noqa: E402
+from pairforge.pipeline.contract import shard_config  # noqa: E402
 from pairforge.pipeline.download_stage import input_shards  # noqa: E402
 from pairforge.pipeline.settings import settings_record, stage_settings  # noqa: E402
 
@@ -69,7 +70,7 @@ def one_shard(client: type[Fetcher], urls: list[str], tmp: Path, run: int,
         with input_shards(cfg) as shards:
             settings = settings_record(stage_settings(cfg, "download"))
             cpu, wall = time.process_time(), time.perf_counter()
-            stats = shard_module.download_shard(shards[0], cfg, settings)
+            stats = shard_module.download_shard(shards[0], shard_config(cfg), settings)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
         shard_module.Fetcher = Fetcher

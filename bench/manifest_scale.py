@@ -90,7 +90,8 @@ def measure(folder: Path, in_memory: int | None = None) -> dict:
     """In this process: build and write the dataset files of ``folder``."""
     from pairforge.config import PairforgeConfig
     from pairforge.pipeline.chain import stage_steps
-    from pairforge.shards.manifest import build_manifest, write_dataset_files
+    from pairforge.pipeline.process import dataset_manifest
+    from pairforge.shards.manifest import write_dataset_files
     from pairforge.shards.storage import OutputDir
 
     if in_memory:
@@ -102,7 +103,7 @@ def measure(folder: Path, in_memory: int | None = None) -> dict:
     out = OutputDir(str(folder))
     baseline = max_rss_mib()
     started = time.perf_counter()
-    manifest = build_manifest(out, cfg, stage_steps(cfg))
+    manifest = dataset_manifest(out, cfg, stage_steps(cfg))
     write_dataset_files(out, manifest)
     seconds = time.perf_counter() - started
     return {"baseline_rss_mib": round(baseline, 1),

@@ -160,8 +160,8 @@ def bare_loop(cfg, bodies: list[bytes], seconds: float) -> dict:  # noqa: ANN001
     from pairforge.recaption.checked import CheckedCaptioner
 
     torch.set_num_threads(cfg.process.recaption.torch_threads or 1)
-    checked = CheckedCaptioner(cfg, "cpu")
-    images = [decode_upload(b, cfg).image for b in bodies[:512]]
+    checked = CheckedCaptioner(cfg.process.recaption, cfg.process.clip, "cpu")
+    images = [decode_upload(b, cfg.serve, cfg.download.image).image for b in bodies[:512]]
     batch = cfg.serve.max_batch_size
     checked.caption_images(images[:batch])  # warm up
     done, start = 0, time.perf_counter()

@@ -90,6 +90,7 @@ from pairforge.download.fetch import Fetcher  # noqa: E402
 from pairforge.download.imageproc import process_image  # noqa: E402
 from pairforge.download.memory_guard import MemoryGuard  # noqa: E402
 from pairforge.download.resample import downscale  # noqa: E402
+from pairforge.pipeline.contract import shard_config  # noqa: E402
 from pairforge.pipeline.download_stage import input_shards  # noqa: E402
 from pairforge.pipeline.settings import settings_record, stage_settings  # noqa: E402
 from pairforge.shards import raw  # noqa: E402
@@ -207,7 +208,7 @@ def shard(urls: list[str], repeats: int) -> None:
             with input_shards(cfg) as shards:
                 start, vips = time.process_time(), vips_worker_seconds()
                 settings = settings_record(stage_settings(cfg, "download"))
-                download.download_shard(shards[0], cfg, settings)
+                download.download_shard(shards[0], shard_config(cfg), settings)
                 cpu = (time.process_time() - start) / len(urls) * 1e3
                 timers.seconds["libvips worker threads"] = vips_worker_seconds() - vips
             if cpu < best:

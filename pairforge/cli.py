@@ -349,7 +349,7 @@ def recaption_eval(
         if not quiet:
             console.print(f"captioned {done}/{total}", highlight=False)
 
-    evaluate.caption_rows(cfg, rows, progress)
+    evaluate.caption_rows(cfg.process.recaption, cfg.process.clip, rows, progress)
     result = evaluate.summarize(rows, strata, cfg.evaluation, bounds)
     out = _data_console()
     for view in evaluate.tables(result):

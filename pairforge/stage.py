@@ -16,8 +16,9 @@ around the whole stage-3 run, e.g. a shared registry) and ``finish_shard`` (call
 writer once a shard's rows are final, before its stats file marks it complete; what it
 returns goes into the shard's stats under the step's name).
 
-A step also answers, from the config alone, what the run around it needs to know:
-whether it runs (``enabled``), what it loads and which settings shape its output
+A step also answers, from its ``StepConfig`` alone (the process section and the few
+settings of other parts it reads, by name: never the whole config), what the run around
+it needs to know: whether it runs (``enabled``), what it loads and which settings shape its output
 (``requirements``: its sources, ``sources.py``'s kinds, check themselves when preflight
 asks; the settings digest records the values and fingerprints the local files; the
 start-up line names the model), what every shard's
@@ -37,7 +38,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -45,9 +46,24 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel
 
-from pairforge.config import ModelPoolConfig, PairforgeConfig
+from pairforge.config import ModelPoolConfig, OutputConfig, ProcessConfig
 from pairforge.records import Status
 from pairforge.sources import ModelSource
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What a stage-3 step is handed: stage 3's own section, and each setting of another
+    part that a step reads, by name (``pipeline/contract.py`` builds it from the whole
+    config; no step sees that)."""
+
+    process: ProcessConfig
+    output: OutputConfig  # the recaption cache's default folder, the build's id
+    exact_dedup: bool  # dedup.enabled: stage 2 has dropped every pixel-identical copy
+    semantic_dedup: bool  # dedup.semantic.enabled: the semantic pass reads the embeddings
+
+    def with_process(self, process: ProcessConfig) -> StepConfig:
+        return replace(self, process=process)
 
 
 @dataclass(frozen=True)
@@ -100,27 +116,27 @@ class Step:
     provides: ClassVar[dict[str, pa.DataType]] = {}
     ends: ClassVar[tuple[Status, ...]] = ()  # the statuses this step may give a row
 
-    def __init__(self, cfg: PairforgeConfig) -> None:
+    def __init__(self, cfg: StepConfig) -> None:
         self.cfg = cfg
 
     @classmethod
-    def enabled(cls, cfg: PairforgeConfig) -> bool:
+    def enabled(cls, cfg: StepConfig) -> bool:
         """Whether the step runs under ``cfg`` (its section's ``enabled``)."""
         return True
 
     @classmethod
-    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+    def requirements(cls, cfg: StepConfig) -> Requirements:
         """What it loads and which settings shape its output, as configured (also while it
         is off: its settings are recorded either way, so turning it on is one change)."""
         return Requirements()
 
     @classmethod
-    def stage_stats(cls, cfg: PairforgeConfig) -> dict[str, Any]:
+    def stage_stats(cls, cfg: StepConfig) -> dict[str, Any]:
         """Entries every shard's stats file (and the run's summary) records of it."""
         return {}
 
     @classmethod
-    def manifest_entries(cls, cfg: PairforgeConfig, first: dict[str, Any],
+    def manifest_entries(cls, cfg: StepConfig, first: dict[str, Any],
                          totals: dict[str, Any]) -> dict[str, Any]:
         """What the manifest says of it, by section: a mapping updates the section
         (``{"models": {...}}``), a list extends it. ``first``: the first shard's stats ({}
@@ -136,12 +152,12 @@ class Step:
 
     @classmethod
     @contextlib.contextmanager
-    def build_scope(cls, cfg: PairforgeConfig) -> Iterator[None]:
+    def build_scope(cls, cfg: StepConfig) -> Iterator[None]:
         """Around the whole stage-3 run, on the driver (e.g. a registry the actors share)."""
         yield
 
     @classmethod
-    def finish_shard(cls, cfg: PairforgeConfig, shard_id: int,
+    def finish_shard(cls, cfg: StepConfig, shard_id: int,
                      rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         """Once a shard's rows are final, before it is marked complete; returns its stats."""
         return None
@@ -205,10 +221,10 @@ class ModelStep(Step):
     """A step whose class is an actor: ``__init__`` loads the model once per actor."""
 
     @classmethod
-    def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
+    def pool_config(cls, cfg: StepConfig) -> ModelPoolConfig:
         raise NotImplementedError
 
-    def __init__(self, cfg: PairforgeConfig) -> None:
+    def __init__(self, cfg: StepConfig) -> None:
         super().__init__(cfg)
         threads = self.pool_config(cfg).torch_threads
         if threads:
@@ -237,19 +253,19 @@ class ScoringStep(Step):
     embedding_column: ClassVar[str | None] = None
 
     @classmethod
-    def needs_scoring_pass(cls, cfg: PairforgeConfig) -> bool:
+    def needs_scoring_pass(cls, cfg: StepConfig) -> bool:
         """Whether its decisions need every score of the stage first."""
         return False
 
     @classmethod
-    def scoring_config(cls, cfg: PairforgeConfig, for_embeddings: bool) -> PairforgeConfig:
+    def scoring_config(cls, cfg: StepConfig, for_embeddings: bool) -> StepConfig:
         """The config the scoring pass runs under: scores, no decisions. ``for_embeddings``:
         the pass runs for the embeddings of every scored row (semantic dedup)."""
         raise NotImplementedError
 
     @classmethod
-    def learn(cls, cfg: PairforgeConfig, over_scores: ScoreMap
-              ) -> tuple[PairforgeConfig, dict[str, Any]]:
+    def learn(cls, cfg: StepConfig, over_scores: ScoreMap
+              ) -> tuple[StepConfig, dict[str, Any]]:
         """What the step learns from every shard's scores: the config the writing pass runs
         under and the stats entries that record it. ``over_scores(fn)`` applies ``fn`` to
         the non-null scores of groups of shards, wherever the files are (in tasks), and
@@ -258,12 +274,12 @@ class ScoringStep(Step):
         raise NotImplementedError
 
     @classmethod
-    def score_cut(cls, cfg: PairforgeConfig) -> float | None:
+    def score_cut(cls, cfg: StepConfig) -> float | None:
         """The score at or above which the writing pass keeps a row (None: every one)."""
         return None
 
     @classmethod
-    def saves_embeddings(cls, cfg: PairforgeConfig) -> bool:
+    def saves_embeddings(cls, cfg: StepConfig) -> bool:
         """Whether the writing pass writes the embeddings (else the column is dropped
         before the writer, which has no use for it)."""
         return False

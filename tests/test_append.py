@@ -103,23 +103,25 @@ def test_a_changed_or_missing_earlier_file_stops_the_run(tmp_path):
     (folder / "a.csv").write_text("url,caption\nhttp://127.0.0.1:9/x.jpg,a cat\n")
     cfg = parse_config({"input": {"path": str(folder / "*.csv"), "shard_size": 4},
                         "output": {"path": str(tmp_path / "out")}})
-    shards = plan_input(cfg, lambda jobs: [1] * len(jobs))
+    shards = plan_input(cfg.input, cfg.output, lambda jobs: [1] * len(jobs))
     assert [s.shard_id for s in shards] == [0]
     # before any shard is complete the plan binds nothing: the input plans afresh
     (folder / "b.csv").write_text("url,caption\nhttp://127.0.0.1:9/z.jpg,a cow\n")
-    assert [s.num_rows for s in plan_input(cfg, lambda jobs: [1] * len(jobs))] == [2]
+    assert [s.num_rows for s in
+            plan_input(cfg.input, cfg.output, lambda jobs: [1] * len(jobs))] == [2]
     (folder / "b.csv").unlink()
-    assert [s.num_rows for s in plan_input(cfg, lambda jobs: [1] * len(jobs))] == [1]
+    assert [s.num_rows for s in
+            plan_input(cfg.input, cfg.output, lambda jobs: [1] * len(jobs))] == [1]
     (tmp_path / "out" / "raw").mkdir()
     (tmp_path / "out" / "raw" / "00000_stats.json").write_text("{}")  # shard 0 is complete
     (folder / "a.csv").write_text("url,caption\nhttp://127.0.0.1:9/x.jpg,a cat\n"
                                   "http://127.0.0.1:9/y.jpg,a dog\n")
     with pytest.raises(ConfigError, match=r"a\.csv.* changed since this build planned it"):
-        plan_input(cfg, lambda jobs: [2] * len(jobs))
+        plan_input(cfg.input, cfg.output, lambda jobs: [2] * len(jobs))
     (folder / "a.csv").unlink()
     (folder / "c.csv").write_text("url,caption\nhttp://127.0.0.1:9/x.jpg,a cat\n")
     with pytest.raises(ConfigError, match=r"a\.csv.* no longer in input.path"):
-        plan_input(cfg, lambda jobs: [1] * len(jobs))
+        plan_input(cfg.input, cfg.output, lambda jobs: [1] * len(jobs))
 
 
 def test_another_shard_size_plans_afresh(tmp_path):

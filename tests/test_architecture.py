@@ -127,6 +127,28 @@ def test_the_rule_catches_an_upward_import(tmp_path) -> None:
     assert imports_of(fake) == {"pairforge.pipeline.placement"}  # inside a function too
 
 
+
+def test_nothing_below_pipeline_names_the_whole_config() -> None:
+    """The ground floor and the domain packages are handed their own config sections
+    (``DownloadConfig``, ..., a stage-3 step its ``StepConfig``), never ``PairforgeConfig``,
+    not even for type checking: pipeline/ and serve's entry hand each part what it reads
+    (``pipeline/contract.py``), so a part's settings are the ones it is given."""
+    naming = [name for path in sorted(PACKAGE.rglob("*.py"))
+              if layer_of(name := module_name(path)) in ("ground", "domain")
+              and name != "pairforge.config" and "PairforgeConfig" in path.read_text()]
+    assert naming == []
+
+
+def test_the_executors_know_no_stage_and_no_domain_package_imports_them() -> None:
+    """pipeline/executors.py runs any stage's tasks (bounded tasks, waves): it imports only
+    the ground floor, and only pipeline/ imports it."""
+    executors = PACKAGE / "pipeline" / "executors.py"
+    assert {layer_of(m) for m in imports_of(executors)} <= {"ground"}
+    importing = [module_name(path) for path in sorted(PACKAGE.rglob("*.py"))
+                 if "pairforge.pipeline.executors" in imports_of(path)
+                 and not module_name(path).startswith("pairforge.pipeline.")]
+    assert importing == []
+
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 60
 LONG_MODULE_REASON = "Over 600 lines because"

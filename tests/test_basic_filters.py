@@ -5,6 +5,7 @@ import pytest
 
 from pairforge.config import BasicFilterConfig, parse_config
 from pairforge.filters.basic import BasicFilterStep, check_row, detect_language
+from pairforge.pipeline.contract import step_config
 
 
 @pytest.mark.parametrize(("caption", "size", "expected"), [
@@ -35,6 +36,6 @@ def test_step_only_touches_ok_rows():
                       "error": [None, "HTTP 404", None],
                       "caption": ["a fine photo of a cat", "a fine photo", "x"],
                       "original_width": [400, 10, 400], "original_height": [300, 10, 300]})
-    out = BasicFilterStep(cfg)(batch)
+    out = BasicFilterStep(step_config(cfg))(batch)
     assert out["status"].to_pylist() == ["ok", "http_error", "caption_too_short"]
     assert out["error"].to_pylist()[1] == "HTTP 404"

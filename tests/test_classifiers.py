@@ -281,7 +281,7 @@ def test_watermark_step_drops_above_its_bound_with_its_status(raw, models, tmp_p
     cfg = parse_config(_cfg(tmp_path, models, [
         {"name": "watermark", "backend": "transformers", "model": models["watermark"],
          "label": "watermark", "drop_above": bound, "status": "watermarked"}]))
-    (step_cls,) = classifier_steps(cfg)
+    (step_cls,) = classifier_steps(cfg.process.classifiers)
     assert step_cls.name == "classifier.watermark" and step_cls.requires == ("image",)
     result = step_cls(cfg)(table)
     scores = np.asarray(result["watermark_score"].to_pylist())
@@ -298,7 +298,7 @@ def test_a_head_step_reads_the_embedding_not_the_image(models, tmp_path):
 
     cfg = parse_config(_cfg(tmp_path, models, [  # a plain nn.Linear, score only
         {"name": "linear", "backend": "clip-head", "path": models["linear"]}]))
-    (step_cls,) = classifier_steps(cfg)
+    (step_cls,) = classifier_steps(cfg.process.classifiers)
     assert step_cls.requires == ("clip_embedding",) and step_cls.ends == ()
     emb = np.random.default_rng(1).normal(size=(3, 32)).astype(np.float32)
     rows = pa.table({"key": ["a", "b", "c"], "status": ["ok"] * 3, "error": [None] * 3,
@@ -319,6 +319,7 @@ def test_the_second_pass_encodes_only_rows_the_scoring_pass_did_not(models, raw,
     import shutil
 
     from pairforge.filters.clip import ClipStep
+    from pairforge.pipeline.contract import step_config
     from pairforge.pipeline.plan import Decisions
     from pairforge.pipeline.stream import load_rows
     from pairforge.shards.storage import OutputDir
@@ -329,7 +330,7 @@ def test_the_second_pass_encodes_only_rows_the_scoring_pass_did_not(models, raw,
     cfg = parse_config(_cfg(out, models, [
         {"name": "linear", "backend": "clip-head", "path": models["linear"]}],
         mode="top_fraction"))
-    step = ClipStep(cfg)
+    step = ClipStep(step_config(cfg))
     first = load_rows(pa.table({"shard": [0]}), str(out), {}, Decisions(()))
     keys = first["key"].to_pylist()
     scored = step(first.slice(1))  # the scoring pass, one row short of the shard
@@ -360,7 +361,8 @@ def test_steps_sharing_a_status_count_their_own_drops(models, tmp_path):
 
     entries = [{"name": n, "backend": "clip-head", "path": models["linear"], "drop_above": 0,
                 "status": "unsafe"} for n in ("first", "second")]
-    first, second = classifier_steps(parse_config(_cfg(tmp_path, models, entries)))
+    first, second = classifier_steps(parse_config(_cfg(tmp_path, models, entries))
+                                     .process.classifiers)
     a, b = SECONDS_PREFIX + first.name, SECONDS_PREFIX + second.name
     rows = [{"status": "unsafe", a: 0.1, b: None},  # the first one dropped it
             {"status": "unsafe", a: 0.1, b: 0.1},  # the second one did

@@ -26,6 +26,7 @@ from PIL import Image
 
 from pairforge.config import ConfigError, PairforgeConfig, parse_config
 from pairforge.download.shard import download_shard
+from pairforge.pipeline.contract import shard_config
 from pairforge.pipeline.download_stage import input_shards, run_download
 from pairforge.pipeline.entry import RunOptions
 from pairforge.pipeline.settings import settings_record, stage_settings
@@ -210,7 +211,8 @@ def test_existing_tar_is_reprocessed_without_network(tmp_path, name):
                         "output": {"path": str(tmp_path / "out")},
                         "download": {"threads": 2, "image": {"image_size": 64}}})
     with input_shards(cfg) as shards:
-        stats = download_shard(shards[0], cfg, settings_record(stage_settings(cfg, "download")))
+        stats = download_shard(shards[0], shard_config(cfg),
+                               settings_record(stage_settings(cfg, "download")))
     assert stats["status"] == {"ok": 3}
     table = pq.read_table(tmp_path / "out" / "raw" / "00000.parquet").to_pylist()
     assert [r["caption"] for r in table] == ["green", "red", "blue"]
@@ -303,7 +305,8 @@ def test_image_pass_runs_at_most_image_threads_at_once(tmp_path, servers, monkey
     seen = _image_pass_peak(monkeypatch)
     cfg = _photos_shard_config(tmp_path, servers[0], 24, image_threads=image_threads)
     with input_shards(cfg) as shards:
-        stats = download_shard(shards[0], cfg, settings_record(stage_settings(cfg, "download")))
+        stats = download_shard(shards[0], shard_config(cfg),
+                               settings_record(stage_settings(cfg, "download")))
     assert stats["status"] == {"ok": 24}
     assert seen["peak"] == image_threads
 
@@ -326,7 +329,7 @@ def test_image_pass_widens_to_the_slots_the_runner_answers(tmp_path, servers, mo
 
     with input_shards(cfg) as shards:
         settings = settings_record(stage_settings(cfg, "download"))
-        stats = download_shard(shards[0], cfg, settings, progress=progress)
+        stats = download_shard(shards[0], shard_config(cfg), settings, progress=progress)
     assert stats["status"] == {"ok": 40}
     assert sum(reports) == 40 and len(reports) >= 2  # widened before the last rows
     assert seen["peak"] == expected
@@ -338,7 +341,7 @@ def test_runner_hands_finished_tasks_slots_to_the_running_ones(ray_local):
     import ray
 
     from pairforge.pipeline.counter import ProgressCounter
-    from pairforge.pipeline.download_stage import _run_bounded, slots_per_task
+    from pairforge.pipeline.executors import run_bounded, slots_per_task
 
     assert [slots_per_task(2, 3, 2), slots_per_task(2, 0, 1), slots_per_task(16, 0, 5),
             slots_per_task(16, 0, 0), slots_per_task(4, 1, 3)] == [1, 2, 3, 1, 1]
@@ -354,9 +357,9 @@ def test_runner_hands_finished_tasks_slots_to_the_running_ones(ray_local):
 
     counter = ray.remote(num_cpus=0)(ProgressCounter).remote()
     results: list[tuple[str, list[int]]] = []
-    _run_bounded(["slow", "fast", "fast"], lambda item: task.remote(item, counter), 2,
-                 on_tick=lambda finished: None, on_result=results.append,
-                 on_slots=counter.share.remote)
+    run_bounded(["slow", "fast", "fast"], lambda item: task.remote(item, counter), 2,
+                on_tick=lambda finished: None, on_result=results.append,
+                on_slots=counter.share.remote)
     # Each "fast" reported while the other one waited or ran beside "slow": one slot;
     # "slow" ran on alone and was answered with the two.
     assert sorted(results) == [("fast", [1]), ("fast", [1]), ("slow", results[-1][1])]

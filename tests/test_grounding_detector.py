@@ -165,7 +165,7 @@ def _checked(tmp_path: Path, detector: Path, min_score: float):  # noqa: ANN202
         "enabled": True, "model": str(SAMPLE / "captioner"), "max_new_tokens": 24,
         "grounding": {"backend": "detector", "extra_nouns": [str(nouns)],
                       "detector": {"model": str(detector), "min_score": min_score}}}}})
-    return CheckedCaptioner(cfg, "cpu")
+    return CheckedCaptioner(cfg.process.recaption, cfg.process.clip, "cpu")
 
 
 def test_the_step_keeps_regenerates_and_abstains_as_with_clip(tmp_path, detector):

@@ -114,6 +114,7 @@ _GUARDED_RUN = textwrap.dedent("""
     from pairforge.config import parse_config
     from pairforge.download.memory_guard import resident_bytes
     from pairforge.download.shard import download_shard
+    from pairforge.pipeline.contract import shard_config
     from pairforge.pipeline.download_stage import input_shards
     cfg = parse_config(json.loads(sys.argv[1]))
     # the limit: what this process holds now, plus room for ordinary photos, not for the
@@ -122,7 +123,7 @@ _GUARDED_RUN = textwrap.dedent("""
     cfg = cfg.model_copy(update={"download": cfg.download.model_copy(
         update={"max_task_memory_mb": limit})})
     with input_shards(cfg) as shards:
-        stats = download_shard(shards[0], cfg, {"digest": "test"})
+        stats = download_shard(shards[0], shard_config(cfg), {"digest": "test"})
     print(json.dumps({"limit": limit, "peak": stats["peak_resident_mib"]}))
 """)
 

@@ -66,17 +66,17 @@ class _SplitHere:
 
     def __call__(self, jobs):
         self.split += [job.source for job in jobs]
-        return [run_split(job, self.cfg) for job in jobs]
+        return [run_split(job, self.cfg.input, self.cfg.output) for job in jobs]
 
 
 def _plan(cfg):
-    return plan_input(cfg, _SplitHere(cfg))
+    return plan_input(cfg.input, cfg.output, _SplitHere(cfg))
 
 
 def _rows(cfg) -> pa.Table:
     """Every input row, read shard by shard as the download's tasks read them."""
     shards = _plan(cfg)
-    return pa.concat_tables([read_shard_rows(s, cfg) for s in shards])
+    return pa.concat_tables([read_shard_rows(s, cfg.input, cfg.output) for s in shards])
 
 
 @pytest.mark.parametrize("name", ["in.csv", "in.tsv", "in.json", "in.jsonl", "in.parquet",
@@ -126,9 +126,9 @@ def test_missing_column_named_at_planning(tmp_path, name, monkeypatch):
     path = _write(tmp_path, name)
     monkeypatch.setattr(inputs, "split_rows", None)  # planning never gets that far
     with pytest.raises(ConfigError, match=r"no column 'TEXT'.*columns: url, caption, lic"):
-        plan_input(_config(tmp_path, path, caption_col="TEXT"), None)
+        _plan(_config(tmp_path, path, caption_col="TEXT"))
     with pytest.raises(ConfigError, match=f"{name}.*no column 'license'"):
-        plan_input(_config(tmp_path, path, save_additional_columns=["license"]), None)
+        _plan(_config(tmp_path, path, save_additional_columns=["license"]))
 
 
 def test_unreadable_path(tmp_path):
@@ -265,7 +265,7 @@ def test_planned_shards_are_todays_slices_across_files(tmp_path, monkeypatch, bi
         paths.append(_write(tmp_path, name, _numbered(lo, hi), **groups))
     cfg = _config(tmp_path, paths, shard_size=7)
     split = _SplitHere(cfg)
-    shards = plan_input(cfg, split)
+    shards = plan_input(cfg.input, cfg.output, split)
     expected = _today(paths, 7)
     assert [s.shard_id for s in shards] == list(range(len(expected))) == list(range(22))
     assert [s.num_rows for s in shards] == [t.num_rows for t in expected]
@@ -273,7 +273,7 @@ def test_planned_shards_are_todays_slices_across_files(tmp_path, monkeypatch, bi
     digits = index_digits(7)
     keys = []
     for shard, want in zip(shards, expected, strict=True):
-        got = read_shard_rows(shard, cfg)
+        got = read_shard_rows(shard, cfg.input, cfg.output)
         assert got.select(["url", "caption"]).equals(want)
         keys += [make_key(shard.shard_id, shard.first_row + i, digits)
                  for i in range(got.num_rows)]
@@ -295,7 +295,7 @@ def test_planning_reads_no_rows_of_a_parquet_input(tmp_path, monkeypatch):
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", no_rows)
     monkeypatch.setattr(pq.ParquetFile, "read", no_rows)
     monkeypatch.setattr(pq.ParquetFile, "read_row_groups", no_rows)
-    shards = plan_input(_config(tmp_path, paths, shard_size=40), None)  # no split needed
+    shards = _plan(_config(tmp_path, paths, shard_size=40))  # no split needed
     assert [s.num_rows for s in shards] == [40, 40, 40, 30]
     assert not (tmp_path / "out" / SPLIT_FOLDER).exists()
 
@@ -307,25 +307,27 @@ def test_a_finished_split_is_reused_and_a_stale_one_made_again(tmp_path):
     path = _write(tmp_path, "in.csv", _numbered(0, 20))
     cfg = _config(tmp_path, path, shard_size=8)
     first = _SplitHere(cfg)
-    shards = plan_input(cfg, first)
+    shards = plan_input(cfg.input, cfg.output, first)
     assert len(first.split) == 1
     split_file = next((tmp_path / "out" / SPLIT_FOLDER).iterdir())
     made = split_file.stat().st_mtime_ns
 
     again = _SplitHere(cfg)
-    assert plan_input(cfg, again) == shards and again.split == []  # not redone
+    assert plan_input(cfg.input, cfg.output, again) == shards
+    assert again.split == []  # not redone
     assert split_file.stat().st_mtime_ns == made
 
     other = _config(tmp_path, path, shard_size=8, save_additional_columns=["lic"])
     redo = _SplitHere(other)
-    plan_input(other, redo)  # other settings: made again, with the column
+    plan_input(other.input, other.output, redo)  # other settings: made again, with the column
     assert len(redo.split) == 1
-    assert read_shard_rows(plan_input(other, None)[0], other)["lic"][0].as_py() == "x"
+    shard = plan_input(other.input, other.output, None)[0]
+    assert read_shard_rows(shard, other.input, other.output)["lic"][0].as_py() == "x"
 
     _write(tmp_path, "in.csv", _numbered(0, 30))  # the input changed
     os.utime(path, ns=(made, made + 1))
     changed = _SplitHere(other)
-    shards = plan_input(other, changed)
+    shards = plan_input(other.input, other.output, changed)
     assert len(changed.split) == 1 and [s.num_rows for s in shards] == [8, 8, 8, 6]
     assert [p.name for p in (tmp_path / "out" / SPLIT_FOLDER).iterdir()] == [split_file.name]
 
@@ -370,12 +372,12 @@ def test_corrupt_parquet_pages_fail_the_shard_that_reads_them(tmp_path):
     cfg = _config(tmp_path, tmp_path / "part-*.parquet", shard_size=80)
     shards = _plan(cfg)  # footers are fine
     assert [s.num_rows for s in shards] == [80, 80, 80, 60]
-    assert read_shard_rows(shards[0], cfg).num_rows == 80  # rows 0-79 of part-0
+    assert read_shard_rows(shards[0], cfg.input, cfg.output).num_rows == 80  # part-0's 0-79
     for shard in shards[1:3]:  # they hold rows of part-1
         with pytest.raises(ConfigError, match=r"cannot read rows \d+-\d+ of input "
                                               r"'.*part-1\.parquet': OSError: .*thrift"):
-            read_shard_rows(shard, cfg)
-    assert read_shard_rows(shards[3], cfg).num_rows == 60  # rows 40-99 of part-2
+            read_shard_rows(shard, cfg.input, cfg.output)
+    assert read_shard_rows(shards[3], cfg.input, cfg.output).num_rows == 60  # part-2's 40-99
 
 
 def test_ragged_csv_row_is_named(tmp_path):
@@ -392,14 +394,14 @@ def test_input_gone_or_changed_between_planning_and_reading(tmp_path):
     cfg = _config(tmp_path, [a, b], shard_size=6)
     shards = _plan(cfg)
     b.unlink()
-    assert read_shard_rows(shards[0], cfg).num_rows == 6
+    assert read_shard_rows(shards[0], cfg.input, cfg.output).num_rows == 6
     with pytest.raises(ConfigError, match=r"rows 0-1 of input '.*b\.parquet': "
                                           r"FileNotFoundError"):
-        read_shard_rows(shards[1], cfg)  # rows 6-9 of a, 0-1 of b
+        read_shard_rows(shards[1], cfg.input, cfg.output)  # rows 6-9 of a, 0-1 of b
     _write(tmp_path, "b.parquet", _numbered(10, 25))
     with pytest.raises(ConfigError, match=r"b\.parquet'.*has 15 rows, 10 when the run was "
                                           "planned"):
-        read_shard_rows(shards[1], cfg)
+        read_shard_rows(shards[1], cfg.input, cfg.output)
 
 
 def test_input_gone_before_its_split(tmp_path):
@@ -408,7 +410,7 @@ def test_input_gone_before_its_split(tmp_path):
 
     def gone_then_split(jobs):
         path.unlink()
-        return [run_split(job, cfg) for job in jobs]
+        return [run_split(job, cfg.input, cfg.output) for job in jobs]
 
     with pytest.raises(ConfigError, match=r"cannot read input '.*in\.csv'"):
-        plan_input(cfg, gone_then_split)
+        plan_input(cfg.input, cfg.output, gone_then_split)

@@ -10,7 +10,8 @@ import pytest
 
 from pairforge.config import PairforgeConfig
 from pairforge.pipeline.chain import stage_steps
-from pairforge.shards.manifest import Manifest, build_manifest, write_dataset_files
+from pairforge.pipeline.process import dataset_manifest
+from pairforge.shards.manifest import Manifest, write_dataset_files
 from pairforge.shards.raw import stats_name
 from pairforge.shards.storage import RAW_FOLDER, SHARDS_FOLDER, OutputDir
 
@@ -84,7 +85,7 @@ def test_a_manifest_over_2000_shards_adds_up_exactly(many_shards):
     out, ids = many_shards
     cfg = PairforgeConfig(input={"path": "in.csv"}, output={"path": out.url},
                           process={"clip": {"enabled": True}})
-    with build_manifest(out, cfg, stage_steps(cfg)) as manifest:
+    with dataset_manifest(out, cfg, stage_steps(cfg)) as manifest:
         write_dataset_files(out, manifest)
     written = (Path(out.root) / "manifest.json").read_bytes()
     m = json.loads(written)
@@ -118,7 +119,7 @@ def test_a_manifest_over_2000_shards_adds_up_exactly(many_shards):
 def test_sizes_and_the_wids_index_are_the_bytes_of_json_dumps(many_shards):
     out, ids = many_shards
     cfg = PairforgeConfig(input={"path": "in.csv"}, output={"path": out.url})
-    with build_manifest(out, cfg, stage_steps(cfg)) as manifest:
+    with dataset_manifest(out, cfg, stage_steps(cfg)) as manifest:
         write_dataset_files(out, manifest)
     sizes = {f"{i:05d}.tar": 50 + i % 13 for i in ids}
     root = Path(out.root)
@@ -135,7 +136,7 @@ def test_an_empty_dataset_writes_the_empty_files(tmp_path):
     out = OutputDir(str(tmp_path))
     out.makedirs(SHARDS_FOLDER)  # stage 3 makes it before it writes shards
     cfg = PairforgeConfig(input={"path": "in.csv"}, output={"path": str(tmp_path)})
-    with build_manifest(out, cfg, stage_steps(cfg)) as manifest:
+    with dataset_manifest(out, cfg, stage_steps(cfg)) as manifest:
         write_dataset_files(out, manifest)
     m = json.loads((tmp_path / "manifest.json").read_bytes())
     assert (tmp_path / "manifest.json").read_bytes() == _dumps(m)
@@ -157,4 +158,4 @@ def test_shards_made_with_different_p_drop_cannot_share_a_manifest(tmp_path):
         out.write_json({"status": {"ok": 1}}, RAW_FOLDER, stats_name(shard_id))
     cfg = PairforgeConfig(input={"path": "in.csv"}, output={"path": str(tmp_path)})
     with pytest.raises(ValueError, match=r"different p_drop: \[0.2, 0.3\]"):
-        build_manifest(out, cfg, stage_steps(cfg))
+        dataset_manifest(out, cfg, stage_steps(cfg))

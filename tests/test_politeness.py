@@ -20,6 +20,7 @@ from pairforge.config import DownloadConfig, parse_config
 from pairforge.download.fetch import Fetcher
 from pairforge.download.politeness import is_transient, merge_stats
 from pairforge.download.shard import download_shard
+from pairforge.pipeline.contract import shard_config
 from pairforge.pipeline.download_stage import input_shards
 from pairforge.pipeline.settings import settings_record, stage_settings
 from pairforge.records import Status
@@ -207,7 +208,8 @@ def test_host_paused_rows_and_counts_reach_the_shard(tmp_path, server):
                      "robots_txt": False, "tdm": False, "host_failures": 2,
                      "host_pause_s": 0.1, "host_max_pauses": 0}})
     with input_shards(cfg) as shards:
-        stats = download_shard(shards[0], cfg, settings_record(stage_settings(cfg, "download")))
+        stats = download_shard(shards[0], shard_config(cfg),
+                               settings_record(stage_settings(cfg, "download")))
     rows = pq.read_table(tmp_path / "out" / "raw" / "00000.parquet").to_pylist()
     assert [r["status"] for r in rows] == ["ok", "http_error", "http_error"] + ["host_paused"] * 4
     assert stats["status"] == {"ok": 1, "http_error": 2, "host_paused": 4}

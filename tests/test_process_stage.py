@@ -646,6 +646,7 @@ def test_model_outputs_do_not_depend_on_how_the_batches_are_cut(coco_raw, tiny_c
     forward of 1 row moves the last bits): every forward runs on batch_size rows
     (pairforge/batching.py)."""
     from pairforge.filters.clip import ClipStep
+    from pairforge.pipeline.contract import step_config
     from pairforge.pipeline.stream import load_rows
     from pairforge.tokenizers.step import TokenizeStep
 
@@ -655,8 +656,8 @@ def test_model_outputs_do_not_depend_on_how_the_batches_are_cut(coco_raw, tiny_c
     cfg = parse_config(cfg)
     rows = load_rows(pa.table({"shard": [0, 1, 2]}), str(coco_raw), {}, _NoDuplicates())
     rows = rows.append_column("train_caption", rows["caption"])
-    for step, columns in ((ClipStep(cfg), ("clip_score", "clip_embedding")),
-                          (TokenizeStep(cfg), ("image_tokens",))):
+    for step, columns in ((ClipStep(step_config(cfg)), ("clip_score", "clip_embedding")),
+                          (TokenizeStep(step_config(cfg)), ("image_tokens",))):
         whole = step(rows)
         for sizes in ([1, 2, 3, 5, 1], [3, 3, 3, 3, 3, 3], [5, 1, 1, 7]):
             cut = pa.concat_tables([step(part) for part in _cut(rows, sizes)])

@@ -348,11 +348,13 @@ def test_unsupported_nouns_regenerate_then_abstain_to_img(
 def test_a_claim_registry_only_where_copies_can_reach_stage_3(ray_local, dedup):
     """With dedup on, stage 2 dropped every pixel-identical copy: no registry actor (it
     would hold every pixel hash and caption of the build); with dedup off, one."""
+    from pairforge.pipeline.contract import step_config
     from pairforge.recaption.claims import find_registry
     from pairforge.recaption.step import RecaptionStep, registry_name
 
-    cfg = parse_config({"input": {"path": "unused"}, "dedup": {"enabled": dedup},
-                        "process": {"recaption": {"enabled": True, "model": "unused"}}})
+    cfg = step_config(parse_config({"input": {"path": "unused"}, "dedup": {"enabled": dedup},
+                                    "process": {"recaption": {"enabled": True,
+                                                              "model": "unused"}}}))
     with RecaptionStep.build_scope(cfg):
         registry = find_registry(registry_name(cfg))
         assert (registry is not None) == (not dedup)

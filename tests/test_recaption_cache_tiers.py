@@ -23,6 +23,7 @@ from PIL import Image
 
 from pairforge.config import parse_config
 from pairforge.dedup.hashing import phash_u64, pixel_hash_hex
+from pairforge.pipeline.contract import step_config
 from pairforge.recaption import step as step_module
 from pairforge.recaption.cache import CachedCaption, CaptionCache, cache_dir
 from pairforge.recaption.step import RecaptionStep
@@ -85,12 +86,12 @@ def _rows(images: list[Image.Image]) -> pa.Table:
 
 
 def _run(cfg, table: pa.Table) -> list[dict]:  # noqa: ANN001
-    result = RecaptionStep(cfg).process(table)
+    result = RecaptionStep(step_config(cfg)).process(table)
     rows = [dict(zip(result.columns, values, strict=True))
             for values in zip(*result.columns.values(), strict=True)]
     for row, source in zip(rows, table.to_pylist(), strict=True):
         row.update(pixel_hash=source["pixel_hash"], phash=source["phash"])
-    RecaptionStep.finish_shard(cfg, 0, rows)
+    RecaptionStep.finish_shard(step_config(cfg), 0, rows)
     return rows
 
 
@@ -153,7 +154,7 @@ def test_step_reuses_captions_by_the_captioners_embedding(tmp_path, models,
     cfg = _cfg(tmp_path, models, 0.9, "auto")
     assert cfg.process.recaption.embedding_source == "captioner"
     table = _rows(photos[:2])
-    step = RecaptionStep(cfg)
+    step = RecaptionStep(step_config(cfg))
     decoded = [Image.open(io.BytesIO(b)).convert("RGB") for b in table["image"].to_pylist()]
     expected = step.checked.captioner.image_embeddings(decoded)
     first = _run(cfg, table)

@@ -31,6 +31,7 @@ from pairforge.download.alt_text import (
 from pairforge.filters.clip import ClipCandidatesStep, ClipScorer, ClipStep, ClipTrainingStep
 from pairforge.images import decode_rgb
 from pairforge.inspection.report import render_report
+from pairforge.pipeline.contract import step_config
 from pairforge.recaption.choice import Choice, TrainingCaptionStep, recaption_first_choice
 from pairforge.records import Status
 from pairforge.scenes.world import render, scenes
@@ -154,7 +155,7 @@ def test_clip_judges_the_caption_clip_score_names(tmp_path: Path, score: str,
                     "recaption": {"enabled": True, "model": str(SAMPLE / "captioner"),
                                   "second_prompt": "Describe the image in detail."},
                     "tasks": {"caption": choice}}}))
-    cfg = load_config(config)
+    cfg = step_config(load_config(config))
     drawn = scenes(6)
     images = [_png(render(s, 32)) for s in drawn]
     candidates = {

@@ -1,4 +1,4 @@
-"""``pairforge download --retry-failed`` (download/retry.py, pipeline/retry_failed.py):
+"""``pairforge download --retry-failed`` (download/refetch.py, pipeline/retry_failed.py):
 after a run where a tenth of the rows failed transiently, only those rows are fetched
 again (the loopback server's log), every one ends ok, permanent failures stay, and the
 shards without a transient row are not touched (mtimes and bytes)."""

@@ -20,6 +20,7 @@ from pairforge.config import ConfigError, DownloadConfig, parse_config
 from pairforge.download.consent import FILE_MAX_BYTES, ConsentGate, merge_stats
 from pairforge.download.shard import download_shard
 from pairforge.download.tdmrep import parse_tdmrep, reservation_for
+from pairforge.pipeline.contract import shard_config
 from pairforge.pipeline.download_stage import input_shards
 from pairforge.pipeline.settings import settings_record, stage_settings
 
@@ -95,7 +96,8 @@ def _run(tmp_path: Path, urls: list[str], run_id: str = "test", **download: Any
     """One shard task over ``urls``: its rows (input order) and stats."""
     cfg = _config(tmp_path, urls, **download)
     with input_shards(cfg) as shards:
-        stats = download_shard(shards[0], cfg, settings_record(stage_settings(cfg, "download")),
+        stats = download_shard(shards[0], shard_config(cfg),
+                               settings_record(stage_settings(cfg, "download")),
                                run_id=run_id)
     rows = pq.read_table(tmp_path / "out" / "raw" / "00000.parquet").to_pylist()
     return rows, stats

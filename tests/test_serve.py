@@ -176,6 +176,7 @@ def test_every_form_of_upload_gets_the_caption_and_the_cache_answers_repeats(
 def test_same_caption_as_the_batch_step(service, ray_local) -> None:
     """Stage 3's recaption step over the raw-shard bytes stage 1 makes of each scene, and
     the service over the original file: the same captions (same config, greedy)."""
+    from pairforge.pipeline.contract import step_config
     from pairforge.recaption.step import RecaptionStep
 
     cfg = parse_config(_config())
@@ -185,7 +186,7 @@ def test_same_caption_as_the_batch_step(service, ray_local) -> None:
                       "image": [r.data for r in raw], "caption": ["x"] * len(raw),
                       "pixel_hash": [r.pixel_hash for r in raw],
                       "phash": pa.array([r.phash for r in raw], pa.uint64())})
-    batch = RecaptionStep(cfg).process(table).columns["recaption"]
+    batch = RecaptionStep(step_config(cfg)).process(table).columns["recaption"]
     served = [_post(service, p.read_bytes()).json()["caption"] for p in picked]
     assert served == batch
     assert len(set(served)) > 1  # the captions depend on the image
@@ -425,20 +426,20 @@ def test_replica_captioner_tiers_and_batch_duplicates() -> None:
     from pairforge.serve.inputs import decode_upload
 
     cfg = parse_config(_config(cache={"embedding_threshold": 0.98}))
-    replica = ReplicaCaptioner(cfg)
+    replica = ReplicaCaptioner(cfg.process.recaption, cfg.process.clip, cfg.serve.cache)
     replica.load()
     calls: list[int] = []
     generate = replica.checked.captioner.generate
     replica.checked.captioner.generate = lambda images, prompt: (
         calls.append(len(images)) or generate(images, prompt))
-    scene = decode_upload(SCENES[20].read_bytes(), cfg)
-    other = decode_upload(SCENES[21].read_bytes(), cfg)
+    scene = decode_upload(SCENES[20].read_bytes(), cfg.serve, cfg.download.image)
+    other = decode_upload(SCENES[21].read_bytes(), cfg.serve, cfg.download.image)
     first = replica.caption([scene, other, scene])
     assert [a.cache for a in first] == ["miss", "miss", "miss"]
     assert first[0].entry == first[2].entry and calls == [2]  # one generate, two images
     shifted = scene.image.copy()
     shifted.putpixel((0, 0), (0, 0, 0))  # other pixels, so another pixel hash
-    reshot = decode_upload(_png(shifted), cfg)
+    reshot = decode_upload(_png(shifted), cfg.serve, cfg.download.image)
     assert reshot.pixel_hash != scene.pixel_hash
     again = replica.caption([scene, reshot])
     assert [a.cache for a in again] == ["exact", "embedding"]
@@ -500,19 +501,23 @@ def test_batches_waiting_for_the_model_merge_into_its_next_call() -> None:
 def test_deployment_options_fixed_or_autoscaling() -> None:
     from pairforge.serve.app import ingress_options, model_options
 
-    fixed = model_options(parse_config(_config(replicas=3)))
+    def model_options_of(cfg):  # noqa: ANN001, ANN202
+        return model_options(cfg.serve, cfg.process.recaption)
+
+    fixed = model_options_of(parse_config(_config(replicas=3)))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0}
     assert fixed["max_ongoing_requests"] == 256
-    scaled = model_options(parse_config(_config(min_replicas=1, max_replicas=4)))
+    scaled = model_options_of(parse_config(_config(min_replicas=1, max_replicas=4)))
     assert "num_replicas" not in scaled
     assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4,
                                             "target_ongoing_requests": 2.0}
     assert fixed["logging_config"] == {"enable_access_log": True}
-    ingress = ingress_options(parse_config(_config(ingress_replicas=2, ingress_num_cpus=1.0)))
+    ingress = ingress_options(parse_config(_config(ingress_replicas=2,
+                                                   ingress_num_cpus=1.0)).serve)
     assert ingress == {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1.0},
                        "max_ongoing_requests": 256,
                        "logging_config": {"enable_access_log": True}}
     quiet = parse_config(_config(access_log=False))
-    assert model_options(quiet)["logging_config"] == {"enable_access_log": False}
-    assert ingress_options(quiet)["logging_config"] == {"enable_access_log": False}
+    assert model_options_of(quiet)["logging_config"] == {"enable_access_log": False}
+    assert ingress_options(quiet.serve)["logging_config"] == {"enable_access_log": False}

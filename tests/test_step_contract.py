@@ -124,15 +124,14 @@ def test_the_settings_digest_records_the_toy_steps_settings_and_model_files(tmp_
 
 
 def test_the_start_up_line_and_the_manifest_name_the_toy_model(tmp_path, with_toy):
-    from pairforge.pipeline.process import _step_line
-    from pairforge.shards.manifest import build_manifest
+    from pairforge.pipeline.process import _step_line, dataset_manifest
     from pairforge.shards.storage import OutputDir
 
     cfg = _cfg(tmp_path, pool_size=2)
     assert chain.enabled_steps(cfg)[-1] is ToyStep
     assert _step_line(ToyStep, cfg) == f"toy ({tmp_path / 'toy'} on 2 actors)"
-    with build_manifest(OutputDir(str(tmp_path / "out")), cfg,
-                        chain.stage_steps(cfg)) as manifest:
+    with dataset_manifest(OutputDir(str(tmp_path / "out")), cfg,
+                          chain.stage_steps(cfg)) as manifest:
         models = manifest.fields["models"]
     assert models == {"clip": None, "clip_threshold": None, "recaption": None,
                                   "toy": str(tmp_path / "toy")}
@@ -158,9 +157,10 @@ def test_every_process_section_is_recorded_by_the_stage_or_a_step():
 def test_the_top_fraction_threshold_is_learned_from_shards_in_any_order():
     from pairforge.config import parse_config
     from pairforge.filters.clip import ClipStep
+    from pairforge.pipeline.contract import step_config
 
-    cfg = parse_config({"input": {"path": "unused"}, "process": {
-        "clip": {"enabled": True, "mode": "top_fraction", "top_fraction": 0.25}}})
+    cfg = step_config(parse_config({"input": {"path": "unused"}, "process": {
+        "clip": {"enabled": True, "mode": "top_fraction", "top_fraction": 0.25}}}))
     assert ClipStep.needs_scoring_pass(cfg)
     scores = np.random.default_rng(0).uniform(0, 1, 40).astype(np.float32)
     shards = np.array_split(scores, 4)

@@ -25,7 +25,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairforge.config import ConfigError, InputConfig, PairforgeConfig
+from pairforge.config import ConfigError, InputConfig, OutputConfig
 from pairforge.download.input_plan import planned_shards
 from pairforge.download.split import (
     SPLIT_FOLDER,
@@ -147,19 +147,20 @@ def _plan_one(fs: fsspec.AbstractFileSystem, path: str,
 SplitRunner = Callable[[list[SplitJob]], list[int]]  # the jobs' rows, in order
 
 
-def plan_input(cfg: PairforgeConfig, run_splits: SplitRunner) -> list[InputShard]:
+def plan_input(source: InputConfig, output: OutputConfig,
+               run_splits: SplitRunner) -> list[InputShard]:
     """The run's shards, from the inputs' metadata; inputs that need the splitting pass
     are split by ``run_splits`` (download_stage: Ray tasks) unless a rerun finds them done."""
-    if cfg.input.path == BUNDLED_SAMPLE:
+    if source.path == BUNDLED_SAMPLE:
         raise ConfigError("the bundled sample is served by the build "
                           "(pipeline/download_stage.input_shards)")
-    paths = _expand_paths(cfg.input)
+    paths = _expand_paths(source)
     if not paths:
         raise ConfigError("input.path matched no files")
     with ThreadPoolExecutor(min(_METADATA_THREADS, len(paths))) as pool:
-        planned = list(pool.map(lambda p: _plan_one(*p, cfg.input), paths))
+        planned = list(pool.map(lambda p: _plan_one(*p, source), paths))
         jobs = [p for p in planned if isinstance(p, SplitJob)]
-        out = OutputDir(cfg.output.path, cfg.output.storage_options)
+        out = OutputDir(output.path, output.storage_options)
         if jobs and out.exists(SPLIT_FOLDER):
             out.remove_temporaries(SPLIT_FOLDER)  # a killed split leaves its temporary
         done = list(pool.map(lambda job: split_rows(job, out), jobs))
@@ -170,7 +171,7 @@ def plan_input(cfg: PairforgeConfig, run_splits: SplitRunner) -> list[InputShard
     files = [p if isinstance(p, InputFile) else
              InputFile(out.uri(SPLIT_FOLDER, p.target), rows_of[p], split=True)
              for p in planned]
-    return list(planned_shards(out, files, cfg.input.shard_size, shards_of))
+    return list(planned_shards(out, files, source.shard_size, shards_of))
 
 
 def shards_of(files: list[InputFile], shard_size: int,
@@ -214,10 +215,10 @@ def _rows_between(parquet: pq.ParquetFile, start: int, stop: int,
     return pa.Table.from_batches(batches)
 
 
-def _read_range(r: RowRange, cfg: PairforgeConfig) -> pa.Table:
-    options = cfg.output.storage_options if r.split else cfg.input.storage_options
-    extras = cfg.input.save_additional_columns
-    columns = list(normalised_schema(extras).names) if r.split else needed_columns(cfg.input)
+def _read_range(r: RowRange, source: InputConfig, output: OutputConfig) -> pa.Table:
+    options = output.storage_options if r.split else source.storage_options
+    extras = source.save_additional_columns
+    columns = list(normalised_schema(extras).names) if r.split else needed_columns(source)
     where = f"rows {r.start}-{r.stop - 1} of input {r.path!r}"
     try:
         with fsspec.open(r.path, "rb", **options) as f:
@@ -233,13 +234,15 @@ def _read_range(r: RowRange, cfg: PairforgeConfig) -> pa.Table:
     if table.num_rows != r.stop - r.start:
         raise ConfigError(f"cannot read {where}: only {table.num_rows} rows found")
     return table.cast(normalised_schema(extras)) if r.split else \
-        normalise_table(table, cfg.input, r.path)
+        normalise_table(table, source, r.path)
 
 
-def read_shard_rows(shard: InputShard, cfg: PairforgeConfig) -> pa.Table:
-    """The shard's rows (url, caption as bytes, source, extras), read by its task; a file
-    that is gone, changed or corrupt raises ConfigError naming it."""
-    return pa.concat_tables([_read_range(r, cfg) for r in shard.ranges])
+def read_shard_rows(shard: InputShard, source: InputConfig,
+                    output: OutputConfig) -> pa.Table:
+    """The shard's rows (url, caption as bytes, source, extras), read by its task (a split
+    input's from ``output``); a file that is gone, changed or corrupt raises ConfigError
+    naming it."""
+    return pa.concat_tables([_read_range(r, source, output) for r in shard.ranges])
 
 
 def tail_parts(shards: list[InputShard], slots: int) -> list[InputShard]:

@@ -19,11 +19,12 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 
-from pairforge.config import PairforgeConfig
+from pairforge.config import DownloadConfig, InputConfig, OutputConfig
 from pairforge.download.alt_text import invalid_error, read_alt_text
 from pairforge.download.consent import make_gate
 from pairforge.download.fetch import Fetcher, FetchResult
@@ -65,12 +66,24 @@ def read_tar_members(sources: list[str], storage_options: dict[str, Any]) -> dic
     return found
 
 
+@dataclass(frozen=True)
+class ShardConfig:
+    """What a stage-1 shard task reads: the input and download sections, where OUT is,
+    and ``recaption_first``, the one setting stage 1 shares with stage 3 (then no alt-text
+    ends a row here: stage 3 may caption it). pipeline/contract.py builds it."""
+
+    input: InputConfig
+    download: DownloadConfig
+    output: OutputConfig
+    recaption_first: bool
+
+
 class ShardDownloader:
-    def __init__(self, cfg: PairforgeConfig, fetcher: Fetcher, tar_bytes: dict[str, bytes],
+    def __init__(self, cfg: ShardConfig, fetcher: Fetcher, tar_bytes: dict[str, bytes],
                  lists: Lists | None = None, guard: MemoryGuard | None = None):
         self.cfg, self.fetcher, self.lists, self.guard = cfg, fetcher, lists, guard
         self.caption_required = cfg.input.caption_col is not None
-        self.recaption_first = cfg.process.recaption_first()
+        self.recaption_first = cfg.recaption_first
         self.tar_bytes = tar_bytes  # images of rows that come from existing tars
         self.image_slots = threading.Semaphore(cfg.download.image_threads)
         self.image_capacity = cfg.download.image_threads
@@ -155,7 +168,7 @@ def _opt_out_counts(opted_out: Counter) -> dict[str, Any]:
     return {"opted_out": dict(sorted(reasons.items())), "hosts": dict(hosts)}
 
 
-def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, Any],
+def download_shard(shard: InputShard, cfg: ShardConfig, settings: dict[str, Any],
                    progress: ProgressFn | None = None, lists: Lists | None = None,
                    run_id: str | None = None) -> dict[str, Any]:
     """Download one shard and write its tar, parquet and (last) stats file; a part of a
@@ -168,7 +181,7 @@ def download_shard(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, 
     started = time.time()
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(RAW_FOLDER)
-    rows = read_shard_rows(shard, cfg).to_pylist()  # the task reads its own rows
+    rows = read_shard_rows(shard, cfg.input, cfg.output).to_pylist()  # read by its task
     digits = index_digits(cfg.input.shard_size)
     for i, row in enumerate(rows, start=shard.first_row):
         row["key"] = make_key(shard.shard_id, i, digits)

@@ -27,7 +27,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairforge.config import ConfigError, InputConfig, PairforgeConfig
+from pairforge.config import ConfigError, InputConfig, OutputConfig
 from pairforge.shards.storage import OutputDir
 from pairforge.shards.tar import iter_samples
 from pairforge.tables import iter_table_batches, read_bytes
@@ -240,13 +240,14 @@ def write_split(out: OutputDir, target: str, tables: Iterable[pa.Table], extras:
     return written
 
 
-def run_split(job: SplitJob, cfg: PairforgeConfig) -> int:
-    """Stream one input into its split file (a Ray task); returns its rows. Input that
-    cannot be read or parsed raises ConfigError naming the file, and leaves no split."""
-    out = OutputDir(cfg.output.path, cfg.output.storage_options)
+def run_split(job: SplitJob, source: InputConfig, output: OutputConfig) -> int:
+    """Stream one input into its split file under ``output`` (a Ray task); returns its
+    rows. Input that cannot be read or parsed raises ConfigError naming the file, and
+    leaves no split."""
+    out = OutputDir(output.path, output.storage_options)
     try:
-        return write_split(out, job.target, _source_batches(job, cfg.input),
-                           cfg.input.save_additional_columns, cfg.input.shard_size, job.record)
+        return write_split(out, job.target, _source_batches(job, source),
+                           source.save_additional_columns, source.shard_size, job.record)
     except ConfigError:
         raise
     except OSError as err:

@@ -10,9 +10,9 @@ import functools
 
 import pyarrow as pa
 
-from pairforge.config import BasicFilterConfig, PairforgeConfig
+from pairforge.config import BasicFilterConfig
 from pairforge.records import Status
-from pairforge.stage import Requirements, Step, StepResult, setting_values
+from pairforge.stage import Requirements, Step, StepConfig, StepResult, setting_values
 
 
 @functools.cache
@@ -72,11 +72,11 @@ class BasicFilterStep(Step):
             Status.CAPTION_TOO_LONG, Status.CAPTION_LANGUAGE)
 
     @classmethod
-    def enabled(cls, cfg: PairforgeConfig) -> bool:
+    def enabled(cls, cfg: StepConfig) -> bool:
         return cfg.process.basic.enabled
 
     @classmethod
-    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+    def requirements(cls, cfg: StepConfig) -> Requirements:
         # py3langid's model ships inside its package: nothing to look for
         return Requirements(settings=setting_values(cfg.process.basic, "process.basic."))
 

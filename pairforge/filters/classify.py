@@ -27,11 +27,11 @@ import numpy as np
 import pyarrow as pa
 
 from pairforge.batching import run_fixed
-from pairforge.config import ClassifierConfig, ModelPoolConfig, PairforgeConfig
+from pairforge.config import ClassifierConfig, ModelPoolConfig
 from pairforge.images import decode_rgb, model_device, model_dtype
 from pairforge.records import Status, classifier_columns
 from pairforge.sources import TRANSFORMERS_FILES, ModelFile, ModelFolder, ModelSource
-from pairforge.stage import ModelStep, Requirements, StepResult, setting_values
+from pairforge.stage import ModelStep, Requirements, StepConfig, StepResult, setting_values
 
 Layer = tuple[np.ndarray, np.ndarray | None]  # (weight [out, in], bias [out])
 _SEQUENTIAL_KEY = re.compile(r"^(?:(?P<prefix>.+)\.)?(?P<index>\d+)\.weight$")
@@ -190,7 +190,7 @@ class TransformersClassifier:
 
 # -- what a classifier loads ---------------------------------------------------------------
 
-def classifier_source(cfg: PairforgeConfig, index: int) -> ModelSource:
+def classifier_source(cfg: StepConfig, index: int) -> ModelSource:
     """The model or head file of ``process.classifiers[index]``; preflight also checks that
     a model has the label and a head takes the CLIP model's embedding size (only config
     files and the small head are read, never a model)."""
@@ -216,7 +216,7 @@ def _label_check(key: str, entry: ClassifierConfig):  # noqa: ANN202 - a SourceC
     return check
 
 
-def _head_check(cfg: PairforgeConfig, key: str, entry: ClassifierConfig):  # noqa: ANN202
+def _head_check(cfg: StepConfig, key: str, entry: ClassifierConfig):  # noqa: ANN202
     def check(path: str) -> list[str]:
         from pairforge.filters.clip import clip_embed_dim
 
@@ -261,15 +261,15 @@ class ClassifierStep(ModelStep):
     classifier: ClassVar[str]  # the entry's name
 
     @classmethod
-    def entry(cls, cfg: PairforgeConfig) -> ClassifierConfig:
+    def entry(cls, cfg: StepConfig) -> ClassifierConfig:
         return next(c for c in cfg.process.classifiers if c.name == cls.classifier)
 
     @classmethod
-    def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
+    def pool_config(cls, cfg: StepConfig) -> ModelPoolConfig:
         return cls.entry(cfg)
 
     @classmethod
-    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+    def requirements(cls, cfg: StepConfig) -> Requirements:
         entry = cls.entry(cfg)
         index = cfg.process.classifiers.index(entry)
         return Requirements(
@@ -277,7 +277,7 @@ class ClassifierStep(ModelStep):
             settings=setting_values(entry, f"process.classifiers.{entry.name}."))
 
     @classmethod
-    def manifest_entries(cls, cfg: PairforgeConfig, first: dict[str, Any],
+    def manifest_entries(cls, cfg: StepConfig, first: dict[str, Any],
                          totals: dict[str, Any]) -> dict[str, Any]:
         """The classifier as configured (model or head file, label, bound, status) and the
         rows it scored and dropped over the shards on disk."""
@@ -290,7 +290,7 @@ class ClassifierStep(ModelStep):
             "rows_scored": totals.get("rows_in", 0),
             "rows_dropped": sum((totals.get("ended") or {}).values())}]}
 
-    def __init__(self, cfg: PairforgeConfig) -> None:
+    def __init__(self, cfg: StepConfig) -> None:
         super().__init__(cfg)
         self.settings = self.entry(cfg)
         self.column = score_column(self.settings.name)
@@ -334,6 +334,6 @@ def classifier_step(entry: ClassifierConfig) -> type[ClassifierStep]:
                  "__module__": __name__})
 
 
-def classifier_steps(cfg: PairforgeConfig) -> list[type[ClassifierStep]]:
+def classifier_steps(entries: list[ClassifierConfig]) -> list[type[ClassifierStep]]:
     """One step per ``process.classifiers`` entry, in the configured order."""
-    return [classifier_step(entry) for entry in cfg.process.classifiers]
+    return [classifier_step(entry) for entry in entries]

@@ -26,7 +26,7 @@ import pyarrow as pa
 from PIL import Image
 
 from pairforge.batching import run_fixed
-from pairforge.config import ClipConfig, ModelPoolConfig, PairforgeConfig
+from pairforge.config import ClipConfig, ModelPoolConfig
 from pairforge.filters.selection import kth_largest
 from pairforge.images import decode_rgb, model_device
 from pairforge.records import Status, process_columns
@@ -37,6 +37,7 @@ from pairforge.stage import (
     ScoreMap,
     ScoringStep,
     Step,
+    StepConfig,
     StepResult,
     setting_values,
 )
@@ -100,13 +101,13 @@ def clip_embed_dim(cfg: ClipConfig) -> int | None:
     return int(config["embed_dim"]) if config and "embed_dim" in config else None
 
 
-def clip_source(cfg: PairforgeConfig) -> OpenClipModel:
+def clip_source(cfg: StepConfig) -> OpenClipModel:
     """The clip section's model, as the clip step, grounding and the caption cache load it."""
     clip = cfg.process.clip
     return OpenClipModel("process.clip", clip.model, clip.pretrained, clip.model_config_path)
 
 
-def read_by_heads(cfg: PairforgeConfig) -> bool:
+def read_by_heads(cfg: StepConfig) -> bool:
     """Whether a classifier reads the clip step's image embedding (a clip-head does)."""
     return any(c.backend == "clip-head" for c in cfg.process.classifiers)
 
@@ -131,20 +132,20 @@ class ClipStep(ScoringStep, ModelStep):
     embedding_column = "clip_embedding"
 
     @classmethod
-    def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
+    def pool_config(cls, cfg: StepConfig) -> ModelPoolConfig:
         return cfg.process.clip
 
     @classmethod
-    def enabled(cls, cfg: PairforgeConfig) -> bool:
+    def enabled(cls, cfg: StepConfig) -> bool:
         return cfg.process.clip.enabled
 
     @classmethod
-    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+    def requirements(cls, cfg: StepConfig) -> Requirements:
         return Requirements(display=cfg.process.clip.model, sources=(clip_source(cfg),),
                             settings=setting_values(cfg.process.clip, "process.clip."))
 
     @classmethod
-    def stage_stats(cls, cfg: PairforgeConfig) -> dict[str, Any]:
+    def stage_stats(cls, cfg: StepConfig) -> dict[str, Any]:
         clip = cfg.process.clip
         stats: dict[str, Any] = {"clip_model": f"{clip.model}/{clip.pretrained}"}
         if clip.mode == "threshold":
@@ -152,7 +153,7 @@ class ClipStep(ScoringStep, ModelStep):
         return stats
 
     @classmethod
-    def manifest_entries(cls, cfg: PairforgeConfig, first: dict[str, Any],
+    def manifest_entries(cls, cfg: StepConfig, first: dict[str, Any],
                          totals: dict[str, Any]) -> dict[str, Any]:
         # the model and threshold the shards were made with (the same in every shard)
         return {"models": {"clip": first.get("clip_model"),
@@ -161,12 +162,12 @@ class ClipStep(ScoringStep, ModelStep):
     # -- the scoring pass -----------------------------------------------------------------
 
     @classmethod
-    def needs_scoring_pass(cls, cfg: PairforgeConfig) -> bool:
+    def needs_scoring_pass(cls, cfg: StepConfig) -> bool:
         return cfg.process.clip.mode == "top_fraction"
 
     @classmethod
-    def scoring_config(cls, cfg: PairforgeConfig, for_embeddings: bool) -> PairforgeConfig:
-        scoring = cfg.model_copy(deep=True)
+    def scoring_config(cls, cfg: StepConfig, for_embeddings: bool) -> StepConfig:
+        scoring = cfg.with_process(cfg.process.model_copy(deep=True))
         scoring.process.clip.mode = "score_only"
         if for_embeddings:
             scoring.process.clip.save_embeddings = True
@@ -174,39 +175,39 @@ class ClipStep(ScoringStep, ModelStep):
         # semantic dedup reads the embeddings of this pass (pipeline/semantic_stage.py), and
         # clip-head classifiers read them in the writing pass (pipeline/stream.py), so no
         # image is encoded twice
-        scoring.process.clip.save_embeddings |= (cfg.dedup.semantic.enabled
+        scoring.process.clip.save_embeddings |= (cfg.semantic_dedup
                                                  or read_by_heads(cfg))
         scoring.process.classifiers = []  # they run in the writing pass
         return scoring
 
     @classmethod
-    def learn(cls, cfg: PairforgeConfig, over_scores: ScoreMap
-              ) -> tuple[PairforgeConfig, dict[str, Any]]:
+    def learn(cls, cfg: StepConfig, over_scores: ScoreMap
+              ) -> tuple[StepConfig, dict[str, Any]]:
         """``top_fraction`` mode: the threshold is the k-th largest score of the stage,
         selected exactly in two passes of histograms (filters/selection.py)."""
         top_fraction = cfg.process.clip.top_fraction
-        resolved = cfg.model_copy(deep=True)
+        resolved = cfg.with_process(cfg.process.model_copy(deep=True))
         resolved.process.clip.mode = "threshold"
         resolved.process.clip.threshold = kth_largest(over_scores, top_fraction)
         return resolved, {"clip_threshold": resolved.process.clip.threshold,
                           "clip_top_fraction": top_fraction}
 
     @classmethod
-    def score_cut(cls, cfg: PairforgeConfig) -> float | None:
+    def score_cut(cls, cfg: StepConfig) -> float | None:
         clip = cfg.process.clip
         return clip.threshold if clip.mode == "threshold" else None
 
     @classmethod
-    def saves_embeddings(cls, cfg: PairforgeConfig) -> bool:
+    def saves_embeddings(cls, cfg: StepConfig) -> bool:
         """Only when asked and no scoring pass wrote them: its rows are fewer (semantic
         duplicates skip CLIP), and rewriting the scoring pass's files would change what a
         rerun's semantic pass reads."""
         clip = cfg.process.clip
         scoring_pass = clip.enabled and (clip.mode == "top_fraction"
-                                         or cfg.dedup.semantic.enabled)
+                                         or cfg.semantic_dedup)
         return clip.save_embeddings and not scoring_pass
 
-    def __init__(self, cfg: PairforgeConfig) -> None:
+    def __init__(self, cfg: StepConfig) -> None:
         super().__init__(cfg)
         self.clip_cfg = cfg.process.clip
         self.scorer = ClipScorer(self.clip_cfg, model_device(self.clip_cfg))
@@ -270,7 +271,7 @@ def clip_decisions(clip: ClipConfig, scores: list[float | None]) -> dict[str, li
 CANDIDATES = ("recaption", "recaption_2", "original")  # caption_source values, tie order
 
 
-def scored_candidates(cfg: PairforgeConfig) -> tuple[str, ...]:
+def scored_candidates(cfg: StepConfig) -> tuple[str, ...]:
     """The candidate captions clip_candidates scores: those that may train under
     ``tasks.caption`` (best: every one), and the alt-text with ``clip.score: both``."""
     choice = cfg.process.training_caption()
@@ -292,21 +293,21 @@ class ClipCandidatesStep(ModelStep):
                                "clip_score_recaption_2")
 
     @classmethod
-    def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
+    def pool_config(cls, cfg: StepConfig) -> ModelPoolConfig:
         return cfg.process.clip
 
     @classmethod
-    def enabled(cls, cfg: PairforgeConfig) -> bool:
+    def enabled(cls, cfg: StepConfig) -> bool:
         return (cfg.process.clip.enabled and cfg.process.recaption_first()
                 and bool(scored_candidates(cfg)) and (cfg.process.clip.score != "original"
                                                       or cfg.process.training_caption() == "best"))
 
     @classmethod
-    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+    def requirements(cls, cfg: StepConfig) -> Requirements:
         # the clip step records the section's settings and its model; this adds none
         return Requirements(display=cfg.process.clip.model)
 
-    def __init__(self, cfg: PairforgeConfig) -> None:
+    def __init__(self, cfg: StepConfig) -> None:
         super().__init__(cfg)
         self.clip_cfg = cfg.process.clip
         self.scorer = ClipScorer(self.clip_cfg, model_device(self.clip_cfg))
@@ -353,7 +354,7 @@ class ClipTrainingStep(Step):
     ends = (Status.LOW_CLIP_SCORE,)
 
     @classmethod
-    def enabled(cls, cfg: PairforgeConfig) -> bool:
+    def enabled(cls, cfg: StepConfig) -> bool:
         clip = cfg.process.clip
         return clip.enabled and cfg.process.recaption_first() and clip.score != "original"
 

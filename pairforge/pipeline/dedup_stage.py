@@ -1,25 +1,19 @@
-"""Stage 2 on Ray: the duplicate decisions of ``filters/dedup.py`` as partition tasks.
+"""Stage 2 on Ray: the phases of ``dedup/partitions.py`` as waves of tasks.
 
-Only ``records.HASH_COLUMNS`` are read (never the images). The phases are the functions
-of ``filters/dedup_parts.py``, each a wave of Ray tasks that read and write partitioned
-files under ``out_dir/work/`` (removed when the stage is done, wiped when a run starts);
-the driver only plans the partitions and adds up the counts the tasks return, so its
-memory does not grow with the number of rows. A task lost with its worker or node is
-retried by Ray and writes the same files again; a rerun starts the work over and writes
-the same output. An append (raw shards added after those a finished run covered, all
-else the same) reads only the new shards, against the finished run's own index, and
-adds to its outputs (``run_dedup``). Outputs, under ``out_dir``:
-
-* ``duplicates.parquet``  key, kind, cluster_id, kept_key, kept_source, distance
-* ``index.parquet/``      (``dedup.write_index``) earlier index rows + this build's
-  survivors, as parts ``part-PREFIX.parquet`` by a hash prefix of each row's source
-  and key
-* ``dedup_stats.json``    written last: its presence marks the stage complete
+Only ``records.HASH_COLUMNS`` are read (never the images). Each phase is a wave of Ray
+tasks that read and write partitioned files under ``out_dir/work/`` (removed when the
+stage is done, wiped when a run starts); the driver only plans the partitions and adds up
+the counts the tasks return, so its memory does not grow with the number of rows. A task
+lost with its worker or node is retried by Ray and writes the same files again; a rerun
+starts the work over and writes the same output. An append (raw shards added after those
+a finished run covered, all else the same: ``dedup/append.py``) reads only the new
+shards, against the finished run's own index, and adds to its outputs (``run_dedup``).
+The outputs are ``dedup/outputs.py``'s; whether a finished run is reused is
+``settings.inputs_digest`` of ``dedup/inputs.py``'s declared inputs.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import posixpath
@@ -30,28 +24,42 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pairforge.config import DedupConfig, PairforgeConfig, RayConfig
+from pairforge.dedup import index_writing
 from pairforge.dedup import partitions as parts
 from pairforge.dedup.append import (
     INDEX_FILE,
+    Append,
     added_to,
     covered_table,
     plan_append,
     write_covered,
 )
-from pairforge.dedup.decide import DUPLICATES_SCHEMA, HASH_BITS, HASH_KINDS, plan_bands
+from pairforge.dedup.bands import HASH_BITS, plan_bands
+from pairforge.dedup.decide import DUPLICATES_SCHEMA
 from pairforge.dedup.grids import GridCheck
-from pairforge.dedup.partitions import InputFile, Work
+from pairforge.dedup.index import index_files
+from pairforge.dedup.inputs import Inputs, raw_files
+from pairforge.dedup.key_ranges import concat_sorted, key_boundaries, sort_range
+from pairforge.dedup.outputs import (
+    DUPLICATES_FILE,
+    STATS_FILE,
+    default_source,
+    load_stats,
+    stage_stats,
+    write_atomic,
+    write_disabled,
+)
+from pairforge.dedup.work import InputFile, Work
+from pairforge.pipeline.contract import DEDUP, READ_CPUS
 from pairforge.pipeline.entry import RunOptions
+from pairforge.pipeline.executors import Waves, cluster_cpus
 from pairforge.pipeline.ray_runtime import init_ray
-from pairforge.pipeline.waves import READ_CPUS, Waves, cluster_cpus, components
-from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir, atomic_writer
+from pairforge.pipeline.settings import inputs_digest
+from pairforge.pipeline.waves import components
+from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir
 
-DUPLICATES_FILE = "duplicates.parquet"
-STATS_FILE = "dedup_stats.json"
 WORK_FOLDER = "work"
 
 # Partition sizes. Each partition task holds about this many rows (or 6x as many hash
@@ -61,40 +69,6 @@ ROWS_PER_PART = 1_000_000
 ROWS_PER_SCATTER = 1_000_000  # rows a reading task takes from consecutive input files
 VALUES_PER_BAND_TASK = 4_000_000
 INDEX_ROWS_PER_PART = 1_000_000
-
-
-
-def _expand(fs: fsspec.AbstractFileSystem, pattern: str) -> list[str]:
-    """URLs of the files a path or glob names (a folder: its parquet files), sorted so
-    runs see them in one order."""
-    paths = fs.glob(pattern) if any(c in pattern for c in "*?[") else [pattern]
-    found = []
-    for path in sorted(paths):
-        if fs.isdir(path):
-            found += sorted(p for p in fs.glob(posixpath.join(path, "*.parquet")))
-        else:
-            found.append(path)
-    return [fs.unstrip_protocol(p) for p in found]
-
-
-def _raw_files(raw_dir: str, storage_options: dict[str, Any]) -> list[str]:
-    fs, root = fsspec.core.url_to_fs(raw_dir, **storage_options)
-    fs.invalidate_cache()  # object stores: the shards were written by other processes
-    files = sorted(fs.unstrip_protocol(p) for p in fs.glob(posixpath.join(root, "*.parquet")))
-    if not files:
-        raise FileNotFoundError(f"no raw shard parquet files in {raw_dir}")
-    return files
-
-
-def _index_files(patterns: list[str], storage_options: dict[str, Any]) -> list[str]:
-    files: list[str] = []
-    for pattern in patterns:
-        fs, path = fsspec.core.url_to_fs(pattern, **storage_options)
-        found = _expand(fs, path)
-        if not found or not all(fs.exists(f) for f in found):
-            raise FileNotFoundError(f"dedup index not found: {pattern}")
-        files += found
-    return files
 
 
 def partition_count(rows: int, cpus: int) -> int:
@@ -123,82 +97,6 @@ def _count_rows(tasks: Waves, urls: list[str], opts: dict[str, Any]) -> list[int
     return [n for counts in tasks.run(parts.count_rows, calls, READ_CPUS) for n in counts]
 
 
-def _write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """A reader never sees a half-written file: rename on disk, whole upload on S3."""
-    with atomic_writer(fs, path) as handle:
-        handle.write(data)
-
-
-def _parquet_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    return sink.getvalue().to_pybytes()
-
-
-def _default_source(out_dir: str) -> str:
-    """Label of this build in the index: its output root (the parent of dedup/)."""
-    parent = posixpath.dirname(out_dir.rstrip("/"))
-    return parent or out_dir
-
-
-def _load_stats(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any]:
-    with fs.open(path, "r") as handle:
-        return json.load(handle)
-
-
-def _disabled(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any]:
-    _write_atomic(fs, posixpath.join(root, DUPLICATES_FILE),
-                  _parquet_bytes(DUPLICATES_SCHEMA.empty_table()))
-    stats = {"stage": "dedup", "enabled": False}
-    _write_atomic(fs, posixpath.join(root, STATS_FILE), json.dumps(stats).encode())
-    return stats
-
-
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _described(paths: list[str], storage_options: dict[str, Any]) -> list[tuple[str, int]]:
-    out = []
-    for path in paths:
-        fs, stripped = fsspec.core.url_to_fs(path, **storage_options)
-        out.append((posixpath.basename(stripped), int(fs.info(stripped)["size"])))
-    return out
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """What a dedup is computed from: its config and the raw/index files (name and size),
-    so new or rewritten raw shards or another config make a finished run stale."""
-
-    files: list[str]
-    indexes: list[str]
-    raw: list[tuple[str, int]]
-    index: list[tuple[str, int]]
-    config: dict[str, Any]
-
-    @classmethod
-    def describe(cls, files: list[str], indexes: list[str], cfg: DedupConfig,
-                 storage_options: dict[str, Any]) -> Inputs:
-        # semantic dedup is stage 3's pass: its settings do not make this stage stale
-        return cls(files, indexes, _described(files, storage_options),
-                   _described(indexes, storage_options),
-                   cfg.model_dump(mode="json", exclude={"semantic"}))
-
-    def digest(self) -> str:
-        return _digest({"config": self.config, "raw": self.raw, "index": self.index})
-
-    def settings_digest(self) -> str:
-        """The config and index files alone: recorded in the stats (covered.parquet has
-        each raw shard) so that a later run can tell an append from any other change."""
-        return _digest({"config": self.config, "index": self.index})
-
-
-def inputs_digest(files: list[str], indexes: list[str], cfg: DedupConfig,
-                  storage_options: dict[str, Any]) -> str:
-    return Inputs.describe(files, indexes, cfg, storage_options).digest()
-
-
 def _read_phase(tasks: Waves, work: Work, units: list[list[InputFile]]
                 ) -> dict[str, Any]:
     """Phase 1: every input read once, by its unit's task; the counts added up."""
@@ -214,14 +112,6 @@ def _read_phase(tasks: Waves, work: Work, units: list[list[InputFile]]
         described.update(result.pop("files"))
         totals.update(result)
     return {"status": status, "samples": sorted(samples), "files": described, **totals}
-
-
-def key_boundaries(samples: list[str], ranges: int) -> list[str]:
-    """Keys that cut the sampled keys into ``ranges`` ranges of about equal size."""
-    if ranges <= 1 or not samples:
-        return []
-    picks = {samples[len(samples) * i // ranges] for i in range(1, ranges)}
-    return sorted(picks)
 
 
 def _near_join(tasks: Waves, work: Work, n_values: int) -> tuple[int, str]:
@@ -264,8 +154,8 @@ def _decide(tasks: Waves, work: Work, units: int, samples: list[str], out_url: s
     boundaries = key_boundaries(samples, P)
     decided = tasks.run(parts.decide, [(work, p, boundaries) for p in range(P)])
     ranges = len(boundaries) + 1
-    tasks.run(parts.sort_range, [(work, r) for r in range(ranges)])
-    tasks.run(parts.concat_sorted, [(work, ranges, out_url, DUPLICATES_SCHEMA, earlier)])
+    tasks.run(sort_range, [(work, r) for r in range(ranges)])
+    tasks.run(concat_sorted, [(work, ranges, out_url, DUPLICATES_SCHEMA, earlier)])
     totals: Counter[str] = Counter()
     for result in decided:
         totals.update(result)
@@ -278,12 +168,12 @@ def _decide(tasks: Waves, work: Work, units: int, samples: list[str], out_url: s
 def _write_index(tasks: Waves, work: Work, units: int, rows: int, source: str,
                  fs: fsspec.AbstractFileSystem, root: str) -> None:
     """Phase 9: the next index, written into the work folder, then put in place."""
-    bits = parts.index_prefix_bits(rows, INDEX_ROWS_PER_PART)
-    tasks.run(parts.index_rows_out, [(work, p, units, source, bits)
-                                     for p in range(work.parts)])
-    names = [parts.index_part_name(i, bits) for i in range(1 << bits)]
+    bits = index_writing.index_prefix_bits(rows, INDEX_ROWS_PER_PART)
+    tasks.run(index_writing.index_rows_out, [(work, p, units, source, bits)
+                                             for p in range(work.parts)])
+    names = [index_writing.index_part_name(i, bits) for i in range(1 << bits)]
     out = posixpath.join(root, WORK_FOLDER, "index-out")
-    tasks.run(parts.index_part, [(work, i, bits, fs.unstrip_protocol(
+    tasks.run(index_writing.index_part, [(work, i, bits, fs.unstrip_protocol(
         posixpath.join(out, name))) for i, name in enumerate(names)])
     final = posixpath.join(root, INDEX_FILE)
     if fs.exists(final):
@@ -293,33 +183,109 @@ def _write_index(tasks: Waves, work: Work, units: int, rows: int, source: str,
         fs.mv(posixpath.join(out, name), posixpath.join(final, name))
 
 
-def _stats(decided: dict[str, Any], read: dict[str, Any], max_distance: int
-           ) -> dict[str, Any]:
-    """The counts of ``find_duplicates``'s stats, from the tasks' counts."""
-    ok_rows = read["ok_rows"]
-    return {
-        "ok_rows": ok_rows,
-        "index_rows": read["index_rows"],
-        "duplicates": decided["duplicates"],
-        **{kind.value: decided[kind.value] for kind in HASH_KINDS},
-        "dropped_for_index": decided["dropped_for_index"],
-        "clusters": decided["clusters"],
-        "colour_splits": decided["colour_splits"],
-        "kept": ok_rows - decided["duplicates"],
-        "degenerate_hashes": read["degenerate_whole"] + decided["dense_whole"],
-        "missing_phash": read["missing_phash"],
-        "distinct_phashes": decided["distinct_phashes"],
-        "dense_phashes": decided["dense_phashes"],
-        "near_pairs": decided["near_pairs"],
-        "max_distance": max_distance,
-        "band_plan": decided["band_plan"],
-    }
-
-
 def _remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
     fs.invalidate_cache()
     if fs.exists(path):
         fs.rm(path, recursive=True)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one run reads, and where it writes."""
+
+    inputs: Inputs
+    append: Append | None
+    read: list[int]  # the raw shards read, as positions among inputs.files
+    indexes: list[str]  # the index files read: dedup.index's, or an append's own index
+    source: str  # this build's label in the index it writes
+    fs: fsspec.AbstractFileSystem
+    root: str  # out_dir, as a path of fs
+    opts: dict[str, Any]
+
+    @property
+    def files(self) -> list[str]:
+        return [self.inputs.files[p] for p in self.read]
+
+    def path(self, *names: str) -> str:
+        return posixpath.join(self.root, *names)
+
+    def url(self, *names: str) -> str:
+        return self.fs.unstrip_protocol(self.path(*names))
+
+    def last_run(self, index_rows: int) -> dict[str, Any]:
+        return {"mode": "append" if self.append else "full",
+                "raw_files_read": len(self.read),
+                "rewritten_raw_files": len(self.append.rewritten) if self.append else 0,
+                "index_rows_read": index_rows}
+
+
+def _plan(inputs: Inputs, append: Append | None, fs: fsspec.AbstractFileSystem, root: str,
+          opts: dict[str, Any], source: str, say: Callable[[str], None]) -> _Plan:
+    """A full run reads every raw shard against dedup.index's files; an append its new and
+    rewritten shards against the finished run's own index."""
+    if not append:
+        return _Plan(inputs, None, list(range(len(inputs.files))), inputs.indexes, source,
+                     fs, root, opts)
+    say(f"dedup: {len(inputs.files) - append.covered} raw shards added after the "
+        f"{append.covered} this dedup covered, {len(append.rewritten)} rewritten by "
+        "--retry-failed: only their new rows are read, against its index")
+    own_index = index_files([fs.unstrip_protocol(posixpath.join(root, INDEX_FILE))], opts)
+    return _Plan(inputs, append, append.positions(len(inputs.files)), own_index, source,
+                 fs, root, opts)
+
+
+def _work(plan: _Plan, tasks: Waves, cfg: DedupConfig) -> tuple[Work, list[list[InputFile]]]:
+    """The run's work folder, emptied of what an interrupted run left (this run redoes all
+    of it), and its reading units."""
+    files, append = plan.files, plan.append
+    rewritten = set(append.rewritten) if append else set()
+    inputs = [InputFile(i, url, i >= len(files), i < len(files) and plan.read[i] in rewritten)
+              for i, url in enumerate(files + plan.indexes)]
+    counts = _count_rows(tasks, files + plan.indexes, plan.opts)
+    _remove(plan.fs, plan.path(WORK_FOLDER))
+    work = Work(plan.url(WORK_FOLDER), plan.opts, partition_count(sum(counts), cluster_cpus()),
+                cfg.max_distance, GridCheck.of(cfg), cfg.perceptual,
+                plan.source if append else None,
+                (plan.url(DUPLICATES_FILE), plan.url(INDEX_FILE)) if append else None)
+    return work, _units(inputs, counts)
+
+
+def _run_waves(plan: _Plan, cfg: DedupConfig, ray_cfg: RayConfig, say: Callable[[str], None]
+               ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Every phase on Ray: writes duplicates.parquet (and the index); returns what the
+    reading and deciding waves counted, and the seconds."""
+    started = time.perf_counter()
+    say(f"dedup: reading the hashes of {len(plan.read)} raw shards and {len(plan.indexes)} "
+        "index files; starting Ray…")
+    init_ray(ray_cfg)
+    tasks = Waves(ray_cfg.max_task_retries, DEDUP.resources.task_cpus)
+    work, units = _work(plan, tasks, cfg)
+    found = _read_phase(tasks, work, units)
+    read_s = time.perf_counter() - started
+    if found["unhashed_index_rows"] and not plan.append:
+        say(f"dedup: {found['unhashed_index_rows']:,} index rows have no pixel hash of this "
+            "version (an index written before it): they match on perceptual hashes only")
+    say(f"dedup: joining {found['ok_rows']:,} rows' hashes (exact, "
+        f"then near within {cfg.max_distance} bits, as banded Ray tasks; read in "
+        f"{read_s:.1f} s)…")
+    final = plan.path(DUPLICATES_FILE)
+    # an append writes beside the finished run's files, then swaps them in
+    written = plan.path(WORK_FOLDER, DUPLICATES_FILE) if plan.append else final
+    decided = _decide(tasks, work, len(units), found["samples"], plan.fs.unstrip_protocol(written),
+                      plan.url(DUPLICATES_FILE) if plan.append else None)
+    decide_s = time.perf_counter() - started - read_s
+    say(f"dedup: {decided['duplicates']:,} duplicates found in {decide_s:.1f} s; "
+        "writing duplicates" + (" and index" if cfg.write_index else ""))
+    if plan.append:  # no completion marker while the finished run's files are replaced
+        plan.fs.rm(plan.path(STATS_FILE))
+        plan.fs.mv(written, final)
+    if cfg.write_index:
+        _write_index(tasks, work, len(units), found["ok_rows"] + found["index_rows"],
+                     plan.source, plan.fs, plan.root)
+    _remove(plan.fs, plan.path(WORK_FOLDER))
+    return found, decided, {"read": round(read_s, 3), "decide": round(decide_s, 3),
+                            "total": round(time.perf_counter() - started, 3),
+                            "phases": {k: round(v, 3) for k, v in tasks.seconds.items()}}
 
 
 def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
@@ -329,7 +295,7 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
 
     A finished run (its stats file exists) is reused when it was computed from the same
     config and raw/index files. When the only changes are raw shards added after the last
-    and raw shards rewritten by ``--retry-failed`` (an append, ``dedup_append.py``), only
+    and raw shards rewritten by ``--retry-failed`` (an append, ``dedup/append.py``), only
     their new rows are read, against the finished run's own index: its rows win, as rows
     already shipped, and its decisions stay as they are. Otherwise, or with ``force``, it
     is redone. ``source`` labels this build's rows in the index it writes
@@ -339,97 +305,33 @@ def run_dedup(raw_dir: str, out_dir: str, cfg: DedupConfig, ray_cfg: RayConfig,
     fs, root = fsspec.core.url_to_fs(out_dir, **opts)
     fs.invalidate_cache()
     stats_path = posixpath.join(root, STATS_FILE)
-    finished = None if force or not fs.exists(stats_path) else _load_stats(fs, stats_path)
+    finished = None if force or not fs.exists(stats_path) else load_stats(fs, stats_path)
     fs.makedirs(root, exist_ok=True)
     if not cfg.enabled:
-        return finished if finished and not finished["enabled"] else _disabled(fs, root)
-    inputs = Inputs.describe(_raw_files(raw_dir, opts), _index_files(cfg.index, opts), cfg,
-                             opts)
-    digest = inputs.digest()
+        return finished if finished and not finished["enabled"] else write_disabled(fs, root)
+    inputs = Inputs.describe(raw_files(raw_dir, opts), index_files(cfg.index, opts), cfg, opts)
+    digest = inputs_digest(inputs.config, **inputs.declared())
     if finished and finished.get("inputs_digest") == digest:
         say("dedup: the finished run matches the raw shards, index files and config: reused")
         return finished
-    source = source or _default_source(out_dir)
-    append = None if force else plan_append(finished, inputs.raw, inputs.files,
-                                            inputs.settings_digest(), fs, root, opts)
-    read = list(range(len(inputs.files)))  # the raw shards read, as positions
-    indexes = inputs.indexes
-    if append:
-        read = append.positions(len(inputs.files))
-        indexes = _index_files([fs.unstrip_protocol(posixpath.join(root, INDEX_FILE))], opts)
-        say(f"dedup: {len(inputs.files) - append.covered} raw shards added after the "
-            f"{append.covered} this dedup covered, {len(append.rewritten)} rewritten by "
-            "--retry-failed: only their new rows are read, against its index")
-    files = [inputs.files[p] for p in read]
+    settings = inputs_digest(inputs.config, **inputs.settings())
+    append = None if force else plan_append(finished, inputs.raw, inputs.files, settings, fs,
+                                            root, opts)
+    plan = _plan(inputs, append, fs, root, opts, source or default_source(out_dir), say)
     if not append and fs.exists(stats_path):  # a full run replaces every file: no marker
         fs.rm(stats_path)                      # may vouch for them while it does
-    started = time.perf_counter()
-    say(f"dedup: reading the hashes of {len(files)} raw shards and {len(indexes)} index "
-        "files; starting Ray…")
-    init_ray(ray_cfg)
-    tasks = Waves(ray_cfg.max_task_retries)
-    rewritten = set(append.rewritten) if append else set()
-    work_inputs = [InputFile(i, url, i >= len(files), i < len(files) and read[i] in rewritten)
-                   for i, url in enumerate(files + indexes)]
-    counts = _count_rows(tasks, files + indexes, opts)
-    work_path = posixpath.join(root, WORK_FOLDER)
-    _remove(fs, work_path)  # what an interrupted run left: this run redoes all of it
-    work = Work(fs.unstrip_protocol(work_path), opts,
-                partition_count(sum(counts), cluster_cpus()), cfg.max_distance,
-                GridCheck.of(cfg), cfg.perceptual, source if append else None,
-                (fs.unstrip_protocol(posixpath.join(root, DUPLICATES_FILE)),
-                 fs.unstrip_protocol(posixpath.join(root, INDEX_FILE))) if append else None)
-    units = _units(work_inputs, counts)
-    found = _read_phase(tasks, work, units)
-    read_s = time.perf_counter() - started
-    unhashed = found["unhashed_index_rows"]
-    if unhashed and not append:
-        say(f"dedup: {unhashed:,} index rows have no pixel hash of this version (an index "
-            "written before it): they match on perceptual hashes only")
-    say(f"dedup: joining {found['ok_rows']:,} rows' hashes (exact, "
-        f"then near within {cfg.max_distance} bits, as banded Ray tasks; read in "
-        f"{read_s:.1f} s)…")
-    final_duplicates = posixpath.join(root, DUPLICATES_FILE)
-    # an append writes beside the finished run's files, then swaps them in
-    written = posixpath.join(work_path, DUPLICATES_FILE) if append else final_duplicates
-    decided = _decide(tasks, work, len(units), found["samples"], fs.unstrip_protocol(written),
-                      fs.unstrip_protocol(final_duplicates) if append else None)
-    decide_s = time.perf_counter() - started - read_s
-    say(f"dedup: {decided['duplicates']:,} duplicates found in {decide_s:.1f} s; "
-        "writing duplicates" + (" and index" if cfg.write_index else ""))
-    if append:  # no completion marker while the finished run's files are replaced
-        fs.rm(stats_path)
-        fs.mv(written, final_duplicates)
-    if cfg.write_index:
-        _write_index(tasks, work, len(units), found["ok_rows"] + found["index_rows"],
-                     source, fs, root)
-    _remove(fs, work_path)
-    status = found["status"]
-    stats = {
-        "stage": "dedup",
-        "enabled": True,
-        "raw_files": len(inputs.files),
-        "index_files": len(indexes),
-        "rows_in": sum(status.values()),
-        "status_counts": dict(sorted(status.items())),
-        **_stats(decided, found, cfg.max_distance),
-        "index_rows_without_pixel_hash": unhashed,
-        "index_written": cfg.write_index,
-        "inputs_digest": digest,
-        "settings_digest": inputs.settings_digest(),
-        "last_run": {"mode": "append" if append else "full", "raw_files_read": len(files),
-                     "rewritten_raw_files": len(append.rewritten) if append else 0,
-                     "index_rows_read": found["index_rows"]},
-        "seconds": {"read": round(read_s, 3), "decide": round(decide_s, 3),
-                    "total": round(time.perf_counter() - started, 3),
-                    "phases": {k: round(v, 3) for k, v in tasks.seconds.items()}},
-    }
+    found, decided, seconds = _run_waves(plan, cfg, ray_cfg, say)
+    stats = {**stage_stats(found, decided, raw_files=len(inputs.files),
+                           index_files=len(plan.indexes), max_distance=cfg.max_distance,
+                           index_written=cfg.write_index),
+             "inputs_digest": digest, "settings_digest": settings,
+             "last_run": plan.last_run(found["index_rows"]), "seconds": seconds}
     if append:
         stats = added_to(finished, stats, append.replaced_status())
-    write_covered(fs, root, covered_table(inputs.raw, read, found["files"],
+    write_covered(fs, root, covered_table(inputs.raw, plan.read, found["files"],
                                           append.earlier if append else None))
     # Written last: the stats file is the completion marker.
-    _write_atomic(fs, stats_path, json.dumps(stats, indent=2).encode())
+    write_atomic(fs, stats_path, json.dumps(stats, indent=2).encode())
     return stats
 
 

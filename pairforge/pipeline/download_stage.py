@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pairforge.config import ConfigError, PairforgeConfig
+from pairforge.config import DownloadConfig, InputConfig, OutputConfig, PairforgeConfig
 from pairforge.download.consent import remove_cache
 from pairforge.download.folder_server import bundled_sample_table, serve_directory
 from pairforge.download.inputs import (
@@ -23,9 +23,11 @@ from pairforge.download.inputs import (
 from pairforge.download.lists import Lists, load_lists
 from pairforge.download.memory_guard import guard_file
 from pairforge.download.parts import merge_parts
-from pairforge.download.shard import download_shard
+from pairforge.download.shard import ShardConfig, download_shard
 from pairforge.download.split import SPLIT_FOLDER, SplitJob, normalise_table, run_split, write_split
+from pairforge.pipeline.contract import DOWNLOAD, shard_config
 from pairforge.pipeline.entry import RunOptions, summarise
+from pairforge.pipeline.executors import cluster_cpus, run_bounded, task_errors_raised
 from pairforge.pipeline.progress import ProgressCounter, StageDisplay, say
 from pairforge.pipeline.ray_runtime import driver_local_actor, init_ray
 from pairforge.pipeline.runlog import log_shard, run_log
@@ -39,7 +41,7 @@ def input_shards(cfg: PairforgeConfig) -> Iterator[list[InputShard]]:
     """The input planned into shards from its metadata, inputs without row groups split
     on Ray first; the bundled sample is served while the block runs."""
     if cfg.input.path != BUNDLED_SAMPLE:
-        yield plan_input(cfg, lambda jobs: _split(jobs, cfg))
+        yield plan_input(cfg.input, cfg.output, lambda jobs: _split(jobs, cfg))
         return
     from pairforge.download.folder_server import SAMPLE_DIR
 
@@ -63,7 +65,7 @@ def _split(jobs: list[SplitJob], cfg: PairforgeConfig) -> list[int]:
     """The splitting pass (download/split.py) of ``jobs``; their rows."""
     sizes = [job.size for job in jobs]
     if None not in sizes and sum(sizes) <= SPLIT_HERE_BYTES:
-        return [run_split(job, cfg) for job in jobs]
+        return [run_split(job, cfg.input, cfg.output) for job in jobs]
     return _split_on_ray(jobs, cfg)
 
 
@@ -75,37 +77,24 @@ def _split_on_ray(jobs: list[SplitJob], cfg: PairforgeConfig) -> list[int]:
     say(f"input: splitting {len(jobs)} input file(s) into {out.uri(SPLIT_FOLDER)}; "
         "starting Ray…")
     init_ray(cfg.ray)
-    task = ray.remote(num_cpus=1, max_retries=cfg.ray.max_task_retries)(_split_task)
-    limit = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    task = ray.remote(num_cpus=DOWNLOAD.resources.task_cpus,
+                      max_retries=cfg.ray.max_task_retries)(_split_task)
     rows: dict[SplitJob, int] = {}
     started = time.time()
     with task_errors_raised():
-        _run_bounded(jobs, lambda job: task.remote(job, cfg), limit, lambda _: None,
-                     lambda result: rows.update([result]))
+        run_bounded(jobs, lambda job: task.remote(job, cfg.input, cfg.output), cluster_cpus(),
+                    lambda _: None, lambda result: rows.update([result]))
     say(f"input: {len(jobs)} file(s), {sum(rows.values()):,} rows split in "
         f"{time.time() - started:.1f} s")
     return [rows[job] for job in jobs]
 
 
-def _split_task(job: SplitJob, cfg: PairforgeConfig) -> tuple[SplitJob, int]:
-    return job, run_split(job, cfg)
+def _split_task(job: SplitJob, source: InputConfig,
+                output: OutputConfig) -> tuple[SplitJob, int]:
+    return job, run_split(job, source, output)
 
 
-@contextmanager
-def task_errors_raised() -> Iterator[None]:
-    """A task's ConfigError (an input file that cannot be read) reaches the user as its
-    own message naming the file, not inside Ray's traceback of the task."""
-    from ray.exceptions import RayTaskError
-
-    try:
-        yield
-    except RayTaskError as err:
-        if isinstance(err.cause, ConfigError):
-            raise err.cause from None
-        raise
-
-
-def _download_task(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, Any],
+def _download_task(shard: InputShard, cfg: ShardConfig, settings: dict[str, Any],
                    counter: Any, lists: Lists | None, run_id: str) -> dict[str, Any]:
     import ray
 
@@ -114,19 +103,25 @@ def _download_task(shard: InputShard, cfg: PairforgeConfig, settings: dict[str, 
                           run_id=run_id)
 
 
-def _lists_task(cfg: PairforgeConfig) -> tuple[int, Lists | None]:
-    lists = load_lists(cfg.download, cfg.input.storage_options)
+def _lists_task(download: DownloadConfig,
+                storage_options: dict[str, Any]) -> tuple[int, Lists | None]:
+    lists = load_lists(download, storage_options)
     return (len(lists.opt_out or []) + len(lists.block or [])) if lists else 0, lists
 
 
-def _load_lists(cfg: PairforgeConfig) -> Any:  # a Ray ObjectRef
+def load_lists_once(cfg: PairforgeConfig) -> Any:  # a Ray ObjectRef, or None
     """The run's lists, parsed once by a Ray task and shared with every shard task through
     the object store (the driver holds only the reference); a list that does not parse
-    stops the run here, before any shard starts."""
+    stops the run here, before any shard starts. None when the run has none."""
     import ray
 
-    count, lists = ray.remote(num_cpus=1, num_returns=2)(_lists_task).remote(cfg)
-    say(f"download: {ray.get(count):,} opt-out and block list entries loaded")
+    if not (cfg.download.opt_out_lists or cfg.download.block_lists):
+        return None
+    init_ray(cfg.ray)
+    with task_errors_raised():
+        count, lists = ray.remote(num_cpus=DOWNLOAD.resources.task_cpus, num_returns=2)(
+            _lists_task).remote(cfg.download, cfg.input.storage_options)
+        say(f"download: {ray.get(count):,} opt-out and block list entries loaded")
     return lists
 
 
@@ -138,6 +133,27 @@ def run_download(cfg: PairforgeConfig, run: RunOptions) -> dict[str, Any]:
         return {**_download(cfg, run.show_progress), "log": log}
 
 
+class _Merger:
+    """Takes each finished task's stats: a whole shard is complete, a split shard's parts
+    are merged once all are back (``shards/raw.py``)."""
+
+    def __init__(self, out: OutputDir) -> None:
+        self.out = out
+        self.merged: list[int] = []  # shards complete, parts merged
+        self.parts: dict[int, list[dict[str, Any]]] = {}
+
+    def __call__(self, stats: dict[str, Any]) -> None:
+        if "part" in stats:
+            written = self.parts.setdefault(stats["shard"], [])
+            written.append(stats)
+            if len(written) < stats["part"][1]:
+                return
+            stats = merge_parts(self.out, RAW_FOLDER, written)
+            self.out.remove(RAW_FOLDER, guard_file(stats["shard"]))
+        log_shard(self.out, RAW_FOLDER, stats)
+        self.merged.append(stats["shard"])
+
+
 def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
     import ray
 
@@ -145,11 +161,7 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
     out.makedirs(RAW_FOLDER)
     out.remove_temporaries(RAW_FOLDER)
     remove_parts(out, RAW_FOLDER)
-    lists = None
-    if cfg.download.opt_out_lists or cfg.download.block_lists:
-        init_ray(cfg.ray)
-        with task_errors_raised():  # a list that does not parse: before any other work
-            lists = _load_lists(cfg)
+    lists = load_lists_once(cfg)  # a list that does not parse: before any other work
     with input_shards(cfg) as shards:
         done = completed_shards(out, RAW_FOLDER)
         todo = [s for s in shards if s.shard_id not in done]
@@ -158,37 +170,26 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
         counter = driver_local_actor(ProgressCounter)
         # Retried by Ray when the task's worker or node dies (system failures only: a
         # Python exception in the task fails the stage, it is not a node loss).
-        task = ray.remote(num_cpus=1, max_retries=cfg.ray.max_task_retries)(_download_task)
-        limit = cfg.download.processes or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        task = ray.remote(num_cpus=DOWNLOAD.resources.task_cpus,
+                          max_retries=cfg.ray.max_task_retries)(_download_task)
+        limit = DOWNLOAD.resources.in_flight(cfg, cluster_cpus())
         skipped = len(shards) - len(todo)
         rows_todo = sum(s.num_rows for s in todo)
         display = StageDisplay("download", len(shards), rows_todo, skipped, live=show_progress)
-        merged: list[int] = []  # shards complete, parts merged
-        parts: dict[int, list[dict[str, Any]]] = {}
+        merger = _Merger(out)
 
         def tick(_: int) -> None:
-            display.update(ray.get(counter.total.remote()), skipped + len(merged))
+            display.update(ray.get(counter.total.remote()), skipped + len(merger.merged))
 
-        def done_task(stats: dict[str, Any]) -> None:
-            if "part" in stats:
-                written = parts.setdefault(stats["shard"], [])
-                written.append(stats)
-                if len(written) < stats["part"][1]:
-                    return
-                stats = merge_parts(out, RAW_FOLDER, written)
-                out.remove(RAW_FOLDER, guard_file(stats["shard"]))
-            log_shard(out, RAW_FOLDER, stats)
-            merged.append(stats["shard"])
-
-        settings = settings_record(stage_settings(cfg, "download"))
+        job, settings = shard_config(cfg), settings_record(stage_settings(cfg, "download"))
         # names the node-local cache of robots.txt and tdmrep.json the run's tasks share
         run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}"
         started = time.time()
         try:
             with display, task_errors_raised():
-                _run_bounded(tail_parts(todo, limit),
-                             lambda s: task.remote(s, cfg, settings, counter, lists, run_id),
-                             limit, tick, done_task, on_slots=counter.share.remote)
+                run_bounded(tail_parts(todo, limit),
+                            lambda s: task.remote(s, job, settings, counter, lists, run_id),
+                            limit, tick, merger, on_slots=counter.share.remote)
         finally:
             remove_cache(run_id)  # this node's; the temp folders of others keep theirs
         ray.kill(counter)
@@ -199,43 +200,3 @@ def _download(cfg: PairforgeConfig, show_progress: bool) -> dict[str, Any]:
     summary = summarise(out, RAW_FOLDER, [s.shard_id for s in shards])
     return {**summary, "shards_skipped": skipped, "seconds": round(seconds, 2),
             "rows_per_s": round(rows_todo / seconds, 1) if rows_todo else None}
-
-
-def slots_per_task(limit: int, queued: int, running: int) -> int:
-    """Task slots each running task may use: one while tasks wait for a slot; once none
-    waits (the run's tail), the slots of finished tasks spread over those still running."""
-    return 1 if queued or not running else max(1, limit // running)
-
-
-def _run_bounded(items: list, submit, limit: int, on_tick, on_result=None,  # noqa: ANN001
-                 on_slots=None) -> None:  # noqa: ANN001
-    """Keep at most ``limit`` tasks in flight (bounded memory), ticking the display with
-    the tasks finished; ``on_result`` gets each task's result as it finishes, and
-    ``on_slots`` each new ``slots_per_task`` while tasks run."""
-    import ray
-
-    queue, in_flight, finished, slots = list(items), [], 0, 1
-    try:
-        while queue or in_flight:
-            while queue and len(in_flight) < limit:
-                in_flight.append(submit(queue.pop(0)))
-            # the first task to finish frees its slot at once, not at the next tick
-            ready, in_flight = ray.wait(in_flight, num_returns=1, timeout=0.5,
-                                        fetch_local=False)
-            for ref in ready:
-                result = ray.get(ref)  # re-raises a task's error in the driver
-                if on_result:
-                    on_result(result)
-                finished += 1
-            on_tick(finished)
-            now = slots_per_task(limit, len(queue), len(in_flight))
-            if on_slots and in_flight and now != slots:
-                on_slots(now)
-            slots = now
-    except BaseException:
-        # The stage stops: its other tasks stop too, rather than write on behind a rerun
-        # started in the same process (a shard they leave is incomplete, so redone).
-        for ref in in_flight:
-            ray.cancel(ref)
-        raise
-

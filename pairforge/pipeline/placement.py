@@ -13,11 +13,12 @@ from typing import Any
 import pyarrow as pa
 
 from pairforge.config import PairforgeConfig
+from pairforge.pipeline.contract import TASK_CPU_RESERVE, TASK_CPUS, step_config
 from pairforge.pipeline.ray_private import cut_into_blocks
-from pairforge.stage import ModelStep, Step
+from pairforge.stage import ModelStep, Step, StepConfig
 
 
-def _run_plain_step(step_cls: type[Step], cfg: PairforgeConfig, batch: pa.Table,
+def _run_plain_step(step_cls: type[Step], cfg: StepConfig, batch: pa.Table,
                     drop: tuple[str, ...] = ()) -> pa.Table:
     step = step_cls(cfg)
     try:
@@ -26,17 +27,12 @@ def _run_plain_step(step_cls: type[Step], cfg: PairforgeConfig, batch: pa.Table,
         step.teardown()
 
 
-# CPUs left free of actors for the reading, filtering and writing tasks. Actors hold their
-# CPUs for the whole run: if pools took every CPU, no task could run and the stage would
-# hang (Ray's default of one CPU per actor does exactly that on a small machine).
-TASK_CPU_RESERVE = 0.75
-TASK_CPUS = 0.25  # each task of the stage: reading a raw shard, a plain step, writing
-
-
 def fit_actor_cpus(steps: list[type[Step]], cfg: PairforgeConfig,
                    cluster_cpus: float) -> dict[str, float]:
-    """CPUs per actor for each model step, scaled down so all pools fit beside the tasks."""
-    pools = {s.name: s.pool_config(cfg) for s in steps if issubclass(s, ModelStep)}
+    """CPUs per actor for each model step, scaled down so all pools fit beside the tasks
+    (``TASK_CPU_RESERVE``: stage 3's contract)."""
+    handed = step_config(cfg)
+    pools = {s.name: s.pool_config(handed) for s in steps if issubclass(s, ModelStep)}
     demand = sum(p.pool_size * p.num_cpus for p in pools.values())
     budget = max(cluster_cpus - TASK_CPU_RESERVE, 0.05 * demand)
     scale = min(1.0, budget / demand) if demand else 1.0
@@ -63,13 +59,14 @@ def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
     if not steps:
         # Ray asks a whole CPU for this task by default (see _cut_into_blocks)
         return ds.drop_columns(list(drop_after), num_cpus=TASK_CPUS)
-    batch_sizes = [s.pool_config(cfg).batch_size for s in steps if issubclass(s, ModelStep)]
+    handed = step_config(cfg)
+    batch_sizes = [s.pool_config(handed).batch_size for s in steps if issubclass(s, ModelStep)]
     cut = False
     for i, step in enumerate(steps):
         if issubclass(step, ModelStep) and not cut:
             ds = _cut_into_blocks(ds, max(*batch_sizes, block_rows))
             cut = True
-        ds = add_step(ds, step, cfg, actor_cpus, drop_after if i == len(steps) - 1 else ())
+        ds = add_step(ds, step, handed, actor_cpus, drop_after if i == len(steps) - 1 else ())
     return ds
 
 
@@ -79,7 +76,7 @@ def _cut_into_blocks(ds: Any, rows: int) -> Any:
     return cut_into_blocks(ds, rows, num_cpus=TASK_CPUS)
 
 
-def add_step(ds: Any, step_cls: type[Step], cfg: PairforgeConfig,
+def add_step(ds: Any, step_cls: type[Step], cfg: StepConfig,
              actor_cpus: dict[str, float] | None = None, drop: tuple[str, ...] = ()) -> Any:
     """Append one step to a Ray dataset: an actor pool for models, tasks otherwise. No
     other operator may follow an actor pool unless it asks for at most ``TASK_CPUS``:

@@ -25,6 +25,7 @@ from typing import Literal
 
 from pairforge.config import ConfigError, PairforgeConfig
 from pairforge.download.input_checks import input_problems
+from pairforge.pipeline.contract import step_config
 from pairforge.shards.output_checks import output_problems
 from pairforge.sources import ServedModel, error_reason
 
@@ -57,7 +58,7 @@ def recaption_problems(cfg: PairforgeConfig) -> list[str]:
     server, its word lists."""
     from pairforge.recaption.step import RecaptionStep
 
-    return [problem for source in RecaptionStep.requirements(cfg).sources
+    return [problem for source in RecaptionStep.requirements(step_config(cfg)).sources
             for problem in source.problems()]
 
 
@@ -67,7 +68,7 @@ def serve_model_problems(cfg: PairforgeConfig) -> list[str]:
     then requests are answered 503 with Retry-After)."""
     from pairforge.recaption.step import RecaptionStep
 
-    return [problem for source in RecaptionStep.requirements(cfg).sources
+    return [problem for source in RecaptionStep.requirements(step_config(cfg)).sources
             if not isinstance(source, ServedModel) for problem in source.problems()]
 
 
@@ -100,7 +101,7 @@ def earlier_stage_problems(cfg: PairforgeConfig, stage: Stage) -> list[str]:
 
 
 def dedup_index_problems(cfg: PairforgeConfig) -> list[str]:
-    from pairforge.pipeline.dedup_stage import _index_files
+    from pairforge.dedup.index import index_files as _index_files
 
     problems = []
     for pattern in cfg.dedup.index:
@@ -120,8 +121,9 @@ def model_problems(cfg: PairforgeConfig, served: bool = True) -> list[str]:
     its kind; ``served``: also ask the servers of served models."""
     from pairforge.pipeline.chain import enabled_steps
 
+    handed = step_config(cfg)
     sources = dict.fromkeys(source for step in enabled_steps(cfg)
-                            for source in step.requirements(cfg).sources)
+                            for source in step.requirements(handed).sources)
     return [problem for source in sources if served or not isinstance(source, ServedModel)
             for problem in source.problems()]
 

@@ -1,5 +1,5 @@
 """``pairforge download CONFIG --retry-failed`` on Ray: one task per complete raw shard
-(``download/retry.py``), at most as many in flight as the cluster has CPUs; the driver
+(``download/refetch.py``), at most as many in flight as the cluster has CPUs; the driver
 holds the plan of shards and the counts, never the rows."""
 
 from __future__ import annotations
@@ -12,14 +12,12 @@ from pairforge.config import PairforgeConfig
 from pairforge.download.consent import remove_cache
 from pairforge.download.inputs import InputShard
 from pairforge.download.lists import Lists
-from pairforge.download.retry import retry_shard
-from pairforge.pipeline.download_stage import (
-    _load_lists,
-    _run_bounded,
-    input_shards,
-    task_errors_raised,
-)
+from pairforge.download.refetch import refetch_shard
+from pairforge.download.shard import ShardConfig
+from pairforge.pipeline.contract import DOWNLOAD, shard_config
+from pairforge.pipeline.download_stage import input_shards, load_lists_once
 from pairforge.pipeline.entry import RunOptions, summarise
+from pairforge.pipeline.executors import cluster_cpus, run_bounded, task_errors_raised
 from pairforge.pipeline.progress import say
 from pairforge.pipeline.ray_runtime import init_ray
 from pairforge.pipeline.runlog import run_log
@@ -28,9 +26,9 @@ from pairforge.shards.raw import completed_shards
 from pairforge.shards.storage import RAW_FOLDER, OutputDir
 
 
-def _retry_task(shard: InputShard, cfg: PairforgeConfig, lists: Lists | None,
+def _retry_task(shard: InputShard, cfg: ShardConfig, lists: Lists | None,
                 run_id: str) -> dict[str, Any] | None:
-    return retry_shard(shard, cfg, lists, run_id)
+    return refetch_shard(shard, cfg, lists, run_id)
 
 
 def run_retry_failed(cfg: PairforgeConfig, run: RunOptions) -> dict[str, Any]:
@@ -47,10 +45,7 @@ def _retry(cfg: PairforgeConfig) -> dict[str, Any]:
 
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     init_ray(cfg.ray)
-    lists = None
-    if cfg.download.opt_out_lists or cfg.download.block_lists:
-        with task_errors_raised():
-            lists = _load_lists(cfg)
+    lists = load_lists_once(cfg)
     with input_shards(cfg) as shards:
         done = completed_shards(out, RAW_FOLDER)
         todo = [s for s in shards if s.shard_id in done]
@@ -58,15 +53,17 @@ def _retry(cfg: PairforgeConfig) -> dict[str, Any]:
         say(f"download --retry-failed: {len(todo)} complete shards to look through"
             + (f" ({missing} not complete: `pairforge download` fetches them whole)"
                if missing else ""))
-        task = ray.remote(num_cpus=1, max_retries=cfg.ray.max_task_retries)(_retry_task)
-        limit = cfg.download.processes or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        task = ray.remote(num_cpus=DOWNLOAD.resources.task_cpus,
+                          max_retries=cfg.ray.max_task_retries)(_retry_task)
+        limit = DOWNLOAD.resources.in_flight(cfg, cluster_cpus())
+        job = shard_config(cfg)
         run_id = f"retry-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}"
         retried: list[dict[str, Any]] = []
         started = time.time()
         try:
             with task_errors_raised():
-                _run_bounded(todo, lambda s: task.remote(s, cfg, lists, run_id), limit,
-                             lambda _: None, lambda r: r and retried.append(r))
+                run_bounded(todo, lambda s: task.remote(s, job, lists, run_id), limit,
+                            lambda _: None, lambda r: r and retried.append(r))
         finally:
             remove_cache(run_id)
         seconds = time.time() - started

@@ -7,13 +7,13 @@ the writing pass. It asks that step (pairforge/stage.py's ``ScoringStep``) for t
 its columns and the score it keeps rows at:
 
 1. the scoring pass runs over the shards that have no score file or no embeddings yet;
-2. the decision runs as waves of Ray tasks (``filters/semantic_parts.py``, over
+2. the decision runs as waves of Ray tasks (``dedup/semantic_partitions.py``, over
    ``OUT/dedup/semantic-work/``, removed when done): each unit of shards reads its
    embeddings and keeps the rows the step would keep (score at or above its cut, when it
    filters: a survivor dropped later for its score would take its duplicates with it);
    k-means is trained on the driver on a sample of at most ``dedup.semantic.sample_rows``
    rows chosen by a hash of the key; assignment, the pair search, the components (stage
-   2's ``filters/components.py``) and the survivors are tasks. The driver holds the
+   2's ``dedup/components.py``) and the survivors are tasks. The driver holds the
    sample, the centroids and counts, never every row;
 3. ``OUT/dedup/semantic.parquet`` (the duplicates table plus ``similarity``) is written, then
    ``semantic_stats.json`` last, as the completion marker.
@@ -26,8 +26,6 @@ were complete before a rerun keep the decisions they were written with.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -39,7 +37,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError, PairforgeConfig, SemanticDedupConfig
-from pairforge.dedup.partitions import Work, concat_sorted, sort_range
+from pairforge.dedup.inputs import embedding_files
+from pairforge.dedup.key_ranges import concat_sorted, key_boundaries, sort_range
 from pairforge.dedup.semantic import SEMANTIC_SCHEMA, default_clusters, kmeans, sample_size
 from pairforge.dedup.semantic_partitions import (
     SemanticWork,
@@ -53,11 +52,14 @@ from pairforge.dedup.semantic_partitions import (
     route_labels,
     sample_unit,
 )
-from pairforge.pipeline.dedup_stage import key_boundaries, partition_count
+from pairforge.dedup.work import Work
+from pairforge.pipeline.contract import READ_CPUS, SEMANTIC, step_config, with_step_config
+from pairforge.pipeline.dedup_stage import partition_count
+from pairforge.pipeline.executors import Waves, cluster_cpus
 from pairforge.pipeline.plan import plan_shards
-from pairforge.pipeline.settings import settings_digest, stage_settings
+from pairforge.pipeline.settings import inputs_digest, settings_digest, stage_settings
 from pairforge.pipeline.stream import read_raw, stream_shards
-from pairforge.pipeline.waves import READ_CPUS, Waves, cluster_cpus, components
+from pairforge.pipeline.waves import components
 from pairforge.pipeline.write import write_scores_task
 from pairforge.records import Status
 from pairforge.shards.raw import completed_shards, shard_name
@@ -84,7 +86,7 @@ class EmbeddedRows:
     """A shard's embedded rows that the scoring step keeps (its ``score`` column at or
     above ``threshold``: a survivor dropped later for its score would take its copies
     with it), as (key, area) and their embeddings, in the embeddings file's order.
-    Called inside the tasks (``filters/semantic_parts.RowsReader``)."""
+    Called inside the tasks (``dedup/semantic_partitions.RowsReader``)."""
 
     out_url: str
     storage_options: dict
@@ -129,17 +131,12 @@ def _embedding_step(steps: list[type[Step]]) -> type[ScoringStep]:
 
 def _inputs_digest(out: OutputDir, cfg: PairforgeConfig, shard_ids: list[int],
                    cut: float | None) -> str:
-    files = []
-    for shard_id in shard_ids:
-        name = f"{shard_name(shard_id)}.npy"
-        if out.exists(EMBEDDINGS_FOLDER, name):
-            files.append((name, int(out.fs.info(out.path(EMBEDDINGS_FOLDER, name))["size"])))
-    # the stage's settings (CLIP model files included): new embeddings of the same size
-    blob = json.dumps({"settings": settings_digest(stage_settings(cfg, "process")),
-                       "config": cfg.dedup.semantic.model_dump(mode="json"),
-                       "score_threshold": cut, "embeddings": files},
-                      sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    """The one staleness rule (``settings.inputs_digest``) over this pass's config and inputs:
+    embedding files, the score it keeps rows at and stage 3's settings (CLIP model files
+    included: new embeddings of the same size)."""
+    return inputs_digest(cfg.dedup.semantic.model_dump(mode="json"),
+                         settings=settings_digest(stage_settings(cfg, "process")),
+                         score_threshold=cut, embeddings=embedding_files(out, shard_ids))
 
 
 def _scored_shards(out: OutputDir) -> set[int]:
@@ -160,7 +157,8 @@ def _embed_missing(cfg: PairforgeConfig, out: OutputDir, steps: list[type[Step]]
     plans = [p for p in plan_shards(out, cfg, SCORES_FOLDER) if p.shard_id in missing]
     for plan in plans:
         out.remove(SCORES_FOLDER, f"{shard_name(plan.shard_id)}.parquet")
-    stream_shards(scorer.scoring_config(cfg, for_embeddings=True), out, plans,
+    scoring = scorer.scoring_config(step_config(cfg), for_embeddings=True)
+    stream_shards(with_step_config(cfg, scoring), out, plans,
                   steps[:steps.index(scorer) + 1], write_scores_task, {}, None)
 
 
@@ -232,7 +230,7 @@ def run_semantic_dedup(cfg: PairforgeConfig, out: OutputDir, steps: list[type[St
     """Embed what is missing, decide the semantic duplicates, write them; the stats."""
     semantic = cfg.dedup.semantic
     scorer = _embedding_step(steps)
-    cut = scorer.score_cut(cfg)
+    cut = scorer.score_cut(step_config(cfg))
     out.makedirs(SCORES_FOLDER)
     _embed_missing(cfg, out, steps, scorer)
     shard_ids = sorted(_scored_shards(out))
@@ -242,7 +240,7 @@ def run_semantic_dedup(cfg: PairforgeConfig, out: OutputDir, steps: list[type[St
         if finished.get("inputs_digest") == digest:
             return finished
     started = time.perf_counter()
-    waves = Waves(cfg.ray.max_task_retries)
+    waves = Waves(cfg.ray.max_task_retries, SEMANTIC.resources.task_cpus)
     reader = EmbeddedRows(out.url, cfg.output.storage_options, scorer.score_column, cut)
     cpus = cluster_cpus()
     units = _units(shard_ids, cfg.input.shard_size, cpus)

@@ -5,12 +5,13 @@ values that decide the stage's bytes (not how fast they are made: threads, pool 
 sizes, CPUs, timeouts), the fingerprints of the local model files it loads, and for
 stage 3 the settings of the raw shard it was made from. On a difference the run stops
 before any work and names the changed keys and the shards affected; ``--force`` redoes
-those shards instead.
+those shards instead. Stage 2 and the semantic pass, each one output made from all its
+inputs, use the same digest over their config section and declared inputs
+(:func:`inputs_digest`): a finished run is reused while it matches, else redone.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from dataclasses import replace
@@ -20,7 +21,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from pairforge.config import ConfigError, PairforgeConfig
-from pairforge.download.lists import list_fingerprints
+from pairforge.pipeline.contract import CONTRACTS, section, shared_settings, step_config
 from pairforge.pipeline.entry import RunOptions
 from pairforge.shards.raw import completed_shards, shard_name, stats_name
 from pairforge.shards.storage import (
@@ -32,16 +33,6 @@ from pairforge.shards.storage import (
 )
 from pairforge.stage import setting_values
 
-# Stage 1's settings: its config sections, less what changes speed or politeness (not
-# what is written). Stage 3's are its own sections' and each step's (Step.requirements).
-DOWNLOAD_SECTIONS = {"input": ("storage_options",),
-                     "download": ("threads", "image_threads", "processes",
-                                  "per_host_connections", "timeout", "retries", "backoff",
-                                  "max_retry_after", "user_agent",
-                                  "per_host_requests_per_s", "per_host_burst",
-                                  "host_failures", "host_pause_s", "host_max_pauses",
-                                  "max_task_memory_mb")}
-PROCESS_SECTIONS = ("dedup", "process.tasks")  # the dedup decisions; the writer's task labels
 # The version of what each stage writes for given settings. Bump it with any change that
 # makes a stage write other bytes under the same settings (tests/test_golden.py fails on
 # such a change), so that reruns redo the shards an older pairforge wrote.
@@ -110,22 +101,28 @@ def stage_settings(cfg: PairforgeConfig, stage: str) -> dict[str, Any]:
 
 
 def _stage_settings(cfg: PairforgeConfig, stage: str) -> dict[str, Any]:
+    """What the stage's contract (pipeline/contract.py) says its digest covers."""
+    digest = CONTRACTS[stage].digest
     values: dict[str, Any] = {"output_version": OUTPUT_VERSIONS[stage],
-                              "process.recaption_first": cfg.process.recaption_first()}
-    if stage == "download":
-        for section, speed in DOWNLOAD_SECTIONS.items():
-            values.update(setting_values(getattr(cfg, section), f"{section}.", speed))
-        values.update(list_fingerprints(cfg.download, cfg.input.storage_options))
-        values["download.agent_token"] = cfg.download.agent_token.lower()
-        return values
-    for section in PROCESS_SECTIONS:
-        config = functools.reduce(getattr, section.split("."), cfg)
-        values.update(setting_values(config, f"{section}."))
+                              **shared_settings(cfg)}
+    for dotted, skip in digest.sections.items():
+        values.update(setting_values(section(cfg, dotted), f"{dotted}.", skip))
+    if digest.derived:
+        values.update(digest.derived(cfg))
+    if digest.steps:
+        values.update(_step_settings(cfg))
+    return values
+
+
+def _step_settings(cfg: PairforgeConfig) -> dict[str, Any]:
+    """Every stage-3 step's settings, on or off, and its local model files' fingerprints."""
     from pairforge.pipeline.chain import stage_steps
 
+    values: dict[str, Any] = {}
     files: dict[str, str | None] = {}
+    handed = step_config(cfg)
     for step in stage_steps(cfg):
-        needs = step.requirements(cfg)
+        needs = step.requirements(handed)
         values.update(needs.settings)
         for source in needs.sources:
             files.update(source.local_files())
@@ -137,6 +134,14 @@ def _stage_settings(cfg: PairforgeConfig, stage: str) -> dict[str, Any]:
 
 def settings_digest(values: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def inputs_digest(config: dict[str, Any], **inputs: Any) -> str:
+    """The staleness rule of a stage made whole from its inputs (stage 2, the semantic
+    pass): the settings digest of its config section and its declared inputs (files by
+    name and size, digests of the settings they were made under). A finished run whose
+    recorded digest equals this one is reused; any other is redone."""
+    return settings_digest({"config": config, **inputs})
 
 
 def settings_record(values: dict[str, Any]) -> dict[str, Any]:

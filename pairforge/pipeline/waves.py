@@ -1,77 +1,15 @@
-"""Waves of Ray tasks over partitioned files: what stage 2 and the semantic pass share.
-
-A phase is one wave: a task per partition (or unit), each reading the files of the waves
-before it (``filters/shuffle.py``) and returning only counts, so the driver's memory does
-not grow with the rows. :func:`components` is the connected-components loop of
-``filters/components.py`` over the edges some wave wrote.
+"""Connected components over the edges a wave wrote: the large-star and small-star loop of
+``dedup/components.py``, as waves of Ray tasks (``executors.Waves``), what stage 2 and the
+semantic pass share. A phase is one wave: a task per partition, each reading the files of
+the waves before it (``dedup/shuffle.py``) and returning only counts, so the driver's
+memory does not grow with the rows.
 """
 
 from __future__ import annotations
 
-import time
-from collections import Counter
-from collections.abc import Callable
-from typing import Any, TypeVar
-
 from pairforge.dedup import partitions as parts
-from pairforge.dedup.partitions import Work
-
-# Every task but the reading ones is numpy on one core. No task waits on another, so these
-# cannot deadlock even a 1-CPU Ray instance.
-TASK_CPUS = 1
-READ_CPUS = 0.5
-
-T = TypeVar("T")
-
-
-class Waves:
-    """Runs waves of Ray tasks; only their small results come back to the driver."""
-
-    def __init__(self, retries: int):
-        self.retries = retries
-        self.remotes: dict[str, Any] = {}
-        self.seconds: Counter[str] = Counter()  # per phase, for the stats
-
-    def _remote(self, fn: Callable[..., Any], cpus: float, name: str | None) -> tuple[Any, str]:
-        import ray
-
-        name = name or fn.__name__
-        if name not in self.remotes:
-            self.remotes[name] = ray.remote(num_cpus=cpus, max_retries=self.retries)(
-                fn).options(name=name)
-        return self.remotes[name], name
-
-    def run(self, fn: Callable[..., Any], calls: list[tuple], cpus: float = TASK_CPUS,
-            name: str | None = None) -> list[Any]:
-        """One wave: ``fn(*args)`` for each of ``calls``, results in call order."""
-        import ray
-
-        remote, name = self._remote(fn, cpus, name)
-        started = time.perf_counter()
-        results = ray.get([remote.remote(*args) for args in calls])
-        self.seconds[name] += time.perf_counter() - started
-        return results
-
-    def fold(self, fn: Callable[..., Any], calls: list[tuple], combine: Callable[[T, Any], T],
-             total: T, cpus: float = TASK_CPUS, name: str | None = None) -> T:
-        """One wave whose results are combined as they arrive, so the driver holds one
-        result at a time, not one per task."""
-        import ray
-
-        remote, name = self._remote(fn, cpus, name)
-        started = time.perf_counter()
-        pending = [remote.remote(*args) for args in calls]
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            total = combine(total, ray.get(done[0]))
-        self.seconds[name] += time.perf_counter() - started
-        return total
-
-
-def cluster_cpus() -> int:
-    import ray
-
-    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+from pairforge.dedup.work import Work
+from pairforge.pipeline.executors import Waves
 
 
 def components(waves: Waves, work: Work, sources: list[tuple[str, int]]) -> tuple[str, int]:

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairforge.config import PairforgeConfig
+from pairforge.pipeline.contract import step_config
 from pairforge.pipeline.plan import ShardPlan
 from pairforge.pipeline.settings import SCORES_DIGEST_KEY, settings_digest, settings_record
 from pairforge.pipeline.stream import read_fragments, read_raw, remove_fragments
@@ -66,13 +67,14 @@ def write_shard_task(cfg: PairforgeConfig, plan: ShardPlan, fragments: list[str]
             if value is not None:
                 stats[key] = json.loads(value)
     for step in steps:
-        finished = step.finish_shard(cfg, plan.shard_id, rows)
+        finished = step.finish_shard(step_config(cfg), plan.shard_id, rows)
         if finished is not None:
             stats[step.name] = finished
     schema = pa.schema([*raw.schema, *process_fields(provided_columns(steps))])
     meta = (SAMPLE_FIELDS + classifier_fields(cfg)
             + (TOKEN_FIELDS if "n_image_tokens" in schema.names else []))
-    saves = any(issubclass(s, ScoringStep) and s.saves_embeddings(cfg) for s in steps)
+    saves = any(issubclass(s, ScoringStep) and s.saves_embeddings(step_config(cfg))
+                for s in steps)
     written = write_training_shard(out, plan.shard_id, rows, schema, meta, stats,
                                    cfg.process.tasks, saves, images if fragments else None)
     remove_fragments(out, fragments)

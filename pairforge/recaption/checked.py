@@ -13,7 +13,7 @@ from typing import Any
 
 from PIL import Image
 
-from pairforge.config import GroundingConfig, PairforgeConfig
+from pairforge.config import ClipConfig, GroundingConfig, RecaptionConfig
 from pairforge.filters.clip import ClipScorer
 from pairforge.recaption.attributes import load_lexicon, neutralize
 from pairforge.recaption.backends import Captioner, load_captioner
@@ -42,28 +42,27 @@ class CheckedCaptioner:
     """The configured captioning backend with the safety checks; the models load on first
     use (a build whose captions all come from the cache loads none)."""
 
-    def __init__(self, cfg: PairforgeConfig, device: str) -> None:
-        rc = cfg.process.recaption
-        self.cfg, self.device = cfg, device
-        self.prompt = rc.prompt or DEFAULT_PROMPT
-        self.lexicon = load_lexicon(rc.attribute_lexicons)
+    def __init__(self, recaption: RecaptionConfig, clip: ClipConfig, device: str) -> None:
+        self.recaption, self.clip_config, self.device = recaption, clip, device
+        self.prompt = recaption.prompt or DEFAULT_PROMPT
+        self.lexicon = load_lexicon(recaption.attribute_lexicons)
 
     @functools.cached_property
     def captioner(self) -> Captioner:
         from pairforge.recaption.constrain import blocked_words
 
-        rc = self.cfg.process.recaption
+        rc = self.recaption
         blocked = blocked_words(self.lexicon) if rc.constrained_decoding else None
         return load_captioner(rc, self.device, blocked)
 
     @functools.cached_property
     def clip(self) -> ClipScorer:
         """The clip section's model: clip grounding's scorer and the cache's embedding tier."""
-        return ClipScorer(self.cfg.process.clip, self.device)
+        return ClipScorer(self.clip_config, self.device)
 
     @functools.cached_property
     def grounding(self) -> Grounding | None:
-        return load_grounding(self.cfg.process.recaption.grounding, self.device,
+        return load_grounding(self.recaption.grounding, self.device,
                               lambda: self.clip)
 
     def _check(self, text: str) -> Checked:

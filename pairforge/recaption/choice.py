@@ -23,10 +23,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from pairforge.config import BasicFilterConfig, PairforgeConfig
+from pairforge.config import BasicFilterConfig
 from pairforge.filters.basic import check_caption
 from pairforge.records import Status, process_columns
-from pairforge.stage import Requirements, Step, StepResult, setting_values
+from pairforge.stage import Requirements, Step, StepConfig, StepResult, setting_values
 
 
 def mix_draw(share: float, seed: int, key: str) -> str:
@@ -109,10 +109,10 @@ class TrainingCaptionStep(Step):
             Status.CAPTION_ABSTAINED)
 
     @classmethod
-    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+    def requirements(cls, cfg: StepConfig) -> Requirements:
         return Requirements(settings=setting_values(cfg.process.tasks, "process.tasks."))
 
-    def __init__(self, cfg: PairforgeConfig) -> None:
+    def __init__(self, cfg: StepConfig) -> None:
         super().__init__(cfg)
         self.choice = cfg.process.training_caption()
         self.tasks = cfg.process.tasks
@@ -149,7 +149,7 @@ class TrainingCaptionStep(Step):
                           error=[c.error for c in chosen])
 
     @classmethod
-    def finish_shard(cls, cfg: PairforgeConfig, shard_id: int,
+    def finish_shard(cls, cfg: StepConfig, shard_id: int,
                      rows: list[dict[str, Any]]) -> dict[str, Any]:
         """Which caption trained how many of the shard's samples."""
         trained = Counter(r.get("caption_source") or "none" for r in rows

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pairforge.config import ConfigError, EvaluationConfig, PairforgeConfig
+from pairforge.config import ClipConfig, ConfigError, EvaluationConfig, RecaptionConfig
 
 METRICS = ("cider_d", "hallucination", "specificity", "abstention")
 FORMATS = ("parquet", "csv", "tsv", "jsonl", "json")  # json: a list of objects
@@ -124,17 +124,16 @@ def read_table(path: str | Path, cfg: EvaluationConfig, strata: list[str]) -> li
 
 # -- captioning and per-row measures ---------------------------------------------------------
 
-def caption_rows(cfg: PairforgeConfig, rows: list[Row],
+def caption_rows(rc: RecaptionConfig, clip: ClipConfig, rows: list[Row],
                  progress: Callable[[int, int], None] | None = None) -> bool:
     """Caption every row with the recaption step's code (no cache: the model is what is
-    measured); returns whether grounding ran."""
+    measured; ``clip``: clip grounding's model); returns whether grounding ran."""
     from PIL import Image
 
     from pairforge.images import model_device
     from pairforge.recaption.checked import CheckedCaptioner
 
-    rc = cfg.process.recaption
-    checked = CheckedCaptioner(cfg, model_device(rc))
+    checked = CheckedCaptioner(rc, clip, model_device(rc))
     for start in range(0, len(rows), rc.batch_size):
         batch = rows[start:start + rc.batch_size]
         images = [Image.open(row.path).convert("RGB") for row in batch]

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image
 
-from pairforge.config import ModelPoolConfig, PairforgeConfig
+from pairforge.config import ModelPoolConfig
 from pairforge.filters.clip import ClipScorer, clip_source
 from pairforge.images import decode_rgb, model_device
 from pairforge.recaption.cache import CachedCaption, build_id, cache_dir, write_part
@@ -48,7 +48,7 @@ from pairforge.sources import (
     ModelSource,
     ServedModel,
 )
-from pairforge.stage import ModelStep, Requirements, StepResult, setting_values
+from pairforge.stage import ModelStep, Requirements, StepConfig, StepResult, setting_values
 
 WAIT_FOR_CLAIMANT_S = 600.0
 # what changes how fast a server answers, not what it writes
@@ -56,12 +56,12 @@ SERVER_SPEED_KEYS = ("openai.concurrency", "openai.timeout_s", "openai.retries")
 DETECTOR_KEYS = ("grounding.backend", "grounding.detector")
 
 
-def registry_name(cfg: PairforgeConfig, column: str = "recaption") -> str:
+def registry_name(cfg: StepConfig, column: str = "recaption") -> str:
     """The build's claim registry of one recaption column (each prompt claims its own)."""
     return REGISTRY_PREFIX + build_id(cfg) + ("" if column == "recaption" else f"-{column}")
 
 
-def recaption_sources(cfg: PairforgeConfig) -> tuple[ModelSource, ...]:
+def recaption_sources(cfg: StepConfig) -> tuple[ModelSource, ...]:
     """The captioner (a model folder or hub id, or a served model), the served model's
     tokenizer for logit_bias, the grounding model (the clip section's, which the CLIP
     embedding tier of the cache also loads, or a detector) and the word lists."""
@@ -143,20 +143,20 @@ class RecaptionStep(ModelStep):
                                "recaption_embedding")
 
     @classmethod
-    def step_config(cls, cfg: PairforgeConfig) -> PairforgeConfig:
+    def step_config(cls, cfg: StepConfig) -> StepConfig:
         """The config this step captions under (its prompt)."""
         return cfg
 
     @classmethod
-    def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
+    def pool_config(cls, cfg: StepConfig) -> ModelPoolConfig:
         return cfg.process.recaption
 
     @classmethod
-    def enabled(cls, cfg: PairforgeConfig) -> bool:
+    def enabled(cls, cfg: StepConfig) -> bool:
         return cfg.process.recaption.enabled
 
     @classmethod
-    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+    def requirements(cls, cfg: StepConfig) -> Requirements:
         rc = cfg.process.recaption
         # a detector's keys are recorded only when it grounds: with CLIP grounding, shards
         # have the settings they had before the detector existed
@@ -165,17 +165,17 @@ class RecaptionStep(ModelStep):
                             settings=setting_values(rc, "process.recaption.", skip))
 
     @classmethod
-    def manifest_entries(cls, cfg: PairforgeConfig, first: dict[str, Any],
+    def manifest_entries(cls, cfg: StepConfig, first: dict[str, Any],
                          totals: dict[str, Any]) -> dict[str, Any]:
         rc = cfg.process.recaption
         return {"models": {"recaption": rc.model if rc.enabled else None}}
 
-    def __init__(self, cfg: PairforgeConfig) -> None:
+    def __init__(self, cfg: StepConfig) -> None:
         super().__init__(cfg)
         cfg = self.step_config(cfg)
         rc = cfg.process.recaption
         self.device = model_device(rc)
-        self.checked = CheckedCaptioner(cfg, self.device)
+        self.checked = CheckedCaptioner(rc, cfg.process.clip, self.device)
         # read by lookup, a bounded number of partitions held (recaption/cache_lookup.py)
         self.cache = IndexedCaptionCache(cache_dir(cfg) if rc.cache.enabled else None,
                                          rc.cache.phash_distance, rc.cache.embedding_threshold)
@@ -185,12 +185,12 @@ class RecaptionStep(ModelStep):
 
     @classmethod
     @contextlib.contextmanager
-    def build_scope(cls, cfg: PairforgeConfig) -> Iterator[None]:
+    def build_scope(cls, cfg: StepConfig) -> Iterator[None]:
         """The build's claim registry lives as long as the stage-3 run. With dedup on,
         stage 2 has dropped every pixel-identical copy, so no two rows can claim one image:
         no registry is started (it holds every pixel hash and caption of the build in one
         actor), and the actors find none and caption their own rows."""
-        if cfg.dedup.enabled:
+        if cfg.exact_dedup:
             yield
             return
         registry = start_registry(registry_name(cfg, cls.column))
@@ -200,7 +200,7 @@ class RecaptionStep(ModelStep):
             stop_registry(registry)
 
     @classmethod
-    def finish_shard(cls, cfg: PairforgeConfig, shard_id: int,
+    def finish_shard(cls, cfg: StepConfig, shard_id: int,
                      rows: list[dict[str, Any]]) -> dict[str, Any]:
         """Cache the shard's captions (before its stats file: a complete shard's captions
         are always in the cache) and count what the checks did."""
@@ -333,22 +333,22 @@ class SecondRecaptionStep(RecaptionStep):
                                "recaption_2_embedding")
 
     @classmethod
-    def enabled(cls, cfg: PairforgeConfig) -> bool:
+    def enabled(cls, cfg: StepConfig) -> bool:
         rc = cfg.process.recaption
         return rc.enabled and rc.second_prompt is not None
 
     @classmethod
-    def step_config(cls, cfg: PairforgeConfig) -> PairforgeConfig:
-        second = cfg.model_copy(deep=True)
+    def step_config(cls, cfg: StepConfig) -> StepConfig:
+        second = cfg.with_process(cfg.process.model_copy(deep=True))
         second.process.recaption.prompt = cfg.process.recaption.second_prompt
         return second
 
     @classmethod
-    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+    def requirements(cls, cfg: StepConfig) -> Requirements:
         # the recaption step records the section (second_prompt included) and its sources
         return Requirements(display=cfg.process.recaption.model)
 
     @classmethod
-    def manifest_entries(cls, cfg: PairforgeConfig, first: dict[str, Any],
+    def manifest_entries(cls, cfg: StepConfig, first: dict[str, Any],
                          totals: dict[str, Any]) -> dict[str, Any]:
         return {}

@@ -37,7 +37,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from pairforge import __version__
-from pairforge.config import ConfigError, PairforgeConfig
+from pairforge.config import (
+    ClipConfig,
+    ConfigError,
+    DownloadConfig,
+    RecaptionConfig,
+    ServeConfig,
+)
 from pairforge.serve.captioning import Answer
 from pairforge.serve.inputs import (
     FORMS,
@@ -124,13 +130,13 @@ def _first_and_last_line(message: str) -> str:
 @serve.deployment(name=INGRESS_DEPLOYMENT)
 @serve.ingress(api)
 class CaptionIngress:
-    def __init__(self, model: DeploymentHandle, cfg: PairforgeConfig,
-                 token_sha256: str | None) -> None:
-        self.model, self.cfg, self.token_sha256 = model, cfg, token_sha256
-        self.model_name = cfg.process.recaption.model
+    def __init__(self, model: DeploymentHandle, s: ServeConfig, download: DownloadConfig,
+                 model_name: str, token_sha256: str | None) -> None:
+        """``download``: stage 1's fetcher and image pass, which the service reuses."""
+        self.model, self.serve, self.token_sha256 = model, s, token_sha256
+        self.image, self.model_name = download.image, model_name
         self.metrics = ServeMetrics()
-        s = cfg.serve
-        self.fetcher = url_fetcher(cfg)
+        self.fetcher = url_fetcher(s, download)
         # two pools: slow URLs fill their own (bounded) pool and never delay an upload's
         # parsing and decoding (one shared pool of 4: 12 slow URLs held an upload 14.6 s)
         self.url_pool = ThreadPoolExecutor(s.url_threads, thread_name_prefix="pairforge-url")
@@ -184,14 +190,14 @@ class CaptionIngress:
         started = time.perf_counter()
         self.metrics.in_flight.inc()
         try:
-            answer = await asyncio.wait_for(self._answer(request), self.cfg.serve.timeout_s)
+            answer = await asyncio.wait_for(self._answer(request), self.serve.timeout_s)
             response: Response = JSONResponse(self._body(answer, started))
             self.metrics.cache.labels(answer.cache).inc()
         except RequestError as err:
             response = self._refuse(err)
         except TimeoutError:
             response = self._refuse(RequestError(
-                504, "timeout", f"no answer within serve.timeout_s={self.cfg.serve.timeout_s}"))
+                504, "timeout", f"no answer within serve.timeout_s={self.serve.timeout_s}"))
         except Exception as err:  # a bug: answered as JSON like every other failure
             log.exception("a caption request failed")
             response = self._refuse(RequestError(500, "internal_error",
@@ -218,7 +224,7 @@ class CaptionIngress:
         problem = await self._probe_model()
         if problem is not None:
             raise RequestError(503, "not_ready", problem, {"Retry-After": str(RETRY_AFTER_S)})
-        s = self.cfg.serve
+        s = self.serve
         try:
             async with asyncio.timeout(s.http_request_timeout_s):  # no task of its own
                 body = await self._read_body(request)
@@ -234,20 +240,21 @@ class CaptionIngress:
         if isinstance(upload, str):  # a URL: fetched on the URL pool, then decoded
             data = await self._fetch(upload)
             upload = await loop.run_in_executor(self.decode_pool, decode_upload, data,
-                                                self.cfg)
+                                                self.serve, self.image)
         return await self.batch(upload)
 
     def _upload(self, content_type: str | None, body: bytes) -> Upload | str:
         """The body parsed and its image decoded, or the URL a JSON body names."""
-        source = parse_body(content_type, body, self.cfg.serve.max_multipart_parts)
-        return source if isinstance(source, str) else decode_upload(source, self.cfg)
+        source = parse_body(content_type, body, self.serve.max_multipart_parts)
+        return (source if isinstance(source, str)
+                else decode_upload(source, self.serve, self.image))
 
     async def _fetch(self, url: str) -> bytes:
         """The image at ``url``, fetched on the URL pool within ``serve.url_timeout_s``
         (the whole fetch, the wait for a thread included). A failure is answered no
         sooner than the deadline, so neither its kind nor its timing tells a refused
         connection (a closed port) from one that does not answer."""
-        deadline = self.cfg.serve.url_timeout_s
+        deadline = self.serve.url_timeout_s
         started = time.monotonic()
         fetch = asyncio.get_running_loop().run_in_executor(self.url_pool, fetch_image,
                                                            self.fetcher, url)
@@ -271,7 +278,7 @@ class CaptionIngress:
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused with 413 as soon as it is known to pass the cap."""
-        cap = self.cfg.serve.max_body_bytes
+        cap = self.serve.max_body_bytes
         too_large = RequestError(413, "body_too_large",
                                  f"the body is over serve.max_body_bytes={cap}")
         declared = request.headers.get("content-length")
@@ -302,11 +309,10 @@ class CaptionIngress:
         return reply.answers
 
 
-def model_options(cfg: PairforgeConfig) -> dict[str, Any]:
+def model_options(s: ServeConfig, rc: RecaptionConfig) -> dict[str, Any]:
     """The model deployment's replicas (or autoscaling) and the resources each reserves:
     the recaption section's, as the batch step's actors reserve them. Its requests are
     batches."""
-    s, rc = cfg.serve, cfg.process.recaption
     actor: dict[str, Any] = {"num_cpus": rc.num_cpus, "num_gpus": rc.num_gpus}
     if rc.resources:
         actor["resources"] = dict(rc.resources)
@@ -322,17 +328,16 @@ def model_options(cfg: PairforgeConfig) -> dict[str, Any]:
     return options
 
 
-def ingress_options(cfg: PairforgeConfig) -> dict[str, Any]:
-    s = cfg.serve
+def ingress_options(s: ServeConfig) -> dict[str, Any]:
     return {"num_replicas": s.ingress_replicas,
             "ray_actor_options": {"num_cpus": s.ingress_num_cpus},
             "max_ongoing_requests": s.max_ongoing_requests,
             "logging_config": {"enable_access_log": s.access_log}}
 
 
-def bearer_token(cfg: PairforgeConfig) -> str | None:
+def bearer_token(s: ServeConfig) -> str | None:
     """The configured token's digest, read from its environment variable now."""
-    name = cfg.serve.token_env
+    name = s.token_env
     if name is None:
         return None
     token = os.environ.get(name, "").strip()
@@ -342,9 +347,14 @@ def bearer_token(cfg: PairforgeConfig) -> str | None:
     return token_digest(token)
 
 
-def build_app(cfg: PairforgeConfig) -> serve.Application:
-    if not cfg.process.recaption.enabled:
+def build_app(s: ServeConfig, rc: RecaptionConfig, clip: ClipConfig,
+              download: DownloadConfig) -> serve.Application:
+    """The two deployments, each bound to the sections it reads: the model replicas to
+    the recaption section (and clip's, for clip grounding or the cache's CLIP tier), the
+    ingress to stage 1's fetcher and image pass."""
+    if not rc.enabled:
         raise ConfigError("pairforge serve captions with process.recaption: set "
                           "process.recaption.enabled: true")
-    model = CaptionModel.options(**model_options(cfg)).bind(cfg)
-    return CaptionIngress.options(**ingress_options(cfg)).bind(model, cfg, bearer_token(cfg))
+    model = CaptionModel.options(**model_options(s, rc)).bind(s, rc, clip)
+    return CaptionIngress.options(**ingress_options(s)).bind(model, s, download, rc.model,
+                                                              bearer_token(s))

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pairforge.config import PairforgeConfig
+from pairforge.config import ClipConfig, RecaptionConfig, ServeCacheConfig
 from pairforge.images import model_device
 from pairforge.recaption.cache import CachedCaption
 from pairforge.recaption.checked import CheckedCaptioner
@@ -32,10 +32,9 @@ class Answer:
 class ReplicaCaptioner:
     """Captions batches of uploads; call ``load`` once before the first batch."""
 
-    def __init__(self, cfg: PairforgeConfig) -> None:
-        rc = cfg.process.recaption
-        self.checked = CheckedCaptioner(cfg, model_device(rc))
-        self.cache = ServeCache(cfg.serve.cache)
+    def __init__(self, rc: RecaptionConfig, clip: ClipConfig, cache: ServeCacheConfig) -> None:
+        self.checked = CheckedCaptioner(rc, clip, model_device(rc))
+        self.cache = ServeCache(cache)
         self.embed_source = rc.embedding_source
         self.torch_threads = rc.torch_threads
 

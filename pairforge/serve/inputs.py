@@ -23,7 +23,7 @@ from PIL import Image
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from pairforge.config import DownloadConfig, PairforgeConfig
+from pairforge.config import DownloadConfig, ImageConfig, ServeConfig
 from pairforge.download.fetch import Fetcher
 from pairforge.download.imageproc import CaptionPixels, ImageFailure, caption_pixels
 from pairforge.records import Status
@@ -174,17 +174,16 @@ def _json_image(body: bytes) -> bytes | str:
                            '"image_base64" is not valid base64') from None
 
 
-def url_fetcher(cfg: PairforgeConfig) -> Fetcher:
+def url_fetcher(serve: ServeConfig, download: DownloadConfig) -> Fetcher:
     """Stage 1's guarded fetcher with the service's deadline, body cap and address
     allow-list (``serve.allow_addresses``, empty by default: the service never reaches
     loopback or private addresses because a build's config lets stage 1 do so); never
     file: URLs (a caller must not make the service read its own disk), no retries (a
     client waits)."""
-    download: DownloadConfig = cfg.download.model_copy(update={
-        "timeout": cfg.serve.url_timeout_s, "retries": 0, "allow_file_scheme": False,
-        "max_bytes": cfg.serve.max_body_bytes, "respect_robots": False,
-        "allow_addresses": list(cfg.serve.allow_addresses)})
-    return Fetcher(download)
+    return Fetcher(download.model_copy(update={
+        "timeout": serve.url_timeout_s, "retries": 0, "allow_file_scheme": False,
+        "max_bytes": serve.max_body_bytes, "respect_robots": False,
+        "allow_addresses": list(serve.allow_addresses)}))
 
 
 # fetch statuses that get their own HTTP status and say why; every other failure (refused,
@@ -229,17 +228,18 @@ _IMAGE_HTTP = {Status.TOO_LARGE: 413}
 _IMAGE_KIND = {Status.TOO_LARGE: "image_too_large"}
 
 
-def decode_upload(data: bytes, cfg: PairforgeConfig) -> Upload:
-    """Stage 1's image pass over ``data`` with the service's pixel cap: the pixels the
-    recaption step would read from a raw shard, the pixel hash, and the perceptual hash
-    when the cache's perceptual tier is on (``imageproc.caption_pixels``)."""
-    image_cfg = cfg.download.image.model_copy(update={"max_pixels": cfg.serve.max_image_pixels})
-    pixels = caption_pixels(data, image_cfg, with_phash=cfg.serve.cache.phash_distance > 0)
+def decode_upload(data: bytes, serve: ServeConfig, image: ImageConfig) -> Upload:
+    """Stage 1's image pass (``image``: download.image) over ``data`` with the service's
+    pixel cap: the pixels the recaption step would read from a raw shard, the pixel hash,
+    and the perceptual hash when the cache's perceptual tier is on
+    (``imageproc.caption_pixels``)."""
+    image_cfg = image.model_copy(update={"max_pixels": serve.max_image_pixels})
+    pixels = caption_pixels(data, image_cfg, with_phash=serve.cache.phash_distance > 0)
     if isinstance(pixels, ImageFailure):
         status, error = pixels.status, pixels.error
         bomb = _PILLOW_BOMB.search(error)
         if bomb:  # Pillow's backstop (raise_pillow_cap): the cap it names is not ours
-            error = f"{bomb.group(1)} pixels is over max_pixels={cfg.serve.max_image_pixels}"
+            error = f"{bomb.group(1)} pixels is over max_pixels={serve.max_image_pixels}"
         raise RequestError(_IMAGE_HTTP.get(status, 422), _IMAGE_KIND.get(status, status.value),
                            error)
     return pixels

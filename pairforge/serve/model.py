@@ -30,7 +30,7 @@ from typing import Generic, TypeVar
 
 from ray import serve
 
-from pairforge.config import PairforgeConfig
+from pairforge.config import ClipConfig, RecaptionConfig, ServeConfig
 from pairforge.serve.captioning import Answer, ReplicaCaptioner
 from pairforge.serve.inputs import Upload
 
@@ -116,10 +116,10 @@ class MergingCaller(Generic[T, R]):
 
 @serve.deployment(name=MODEL_DEPLOYMENT)
 class CaptionModel:
-    def __init__(self, cfg: PairforgeConfig) -> None:
-        self.captioner = ReplicaCaptioner(cfg)
+    def __init__(self, serve: ServeConfig, recaption: RecaptionConfig, clip: ClipConfig) -> None:
+        self.captioner = ReplicaCaptioner(recaption, clip, serve.cache)
         self.captioner.load()
-        self.call = MergingCaller(self.captioner.caption, cfg.serve.max_batch_size)
+        self.call = MergingCaller(self.captioner.caption, serve.max_batch_size)
 
     def ready(self) -> str:
         """Answers once the replica is built, i.e. its models are loaded."""

@@ -40,7 +40,8 @@ def start_service(cfg: PairforgeConfig, host: str | None = None, port: int | Non
 
     host = host or cfg.serve.host
     port = cfg.serve.port if port is None else port
-    app = build_app(cfg)  # config errors surface before Ray starts; reads the token
+    # config errors surface before Ray starts; reads the token
+    app = build_app(cfg.serve, cfg.process.recaption, cfg.process.clip, cfg.download)
     with _without_env(cfg.serve.token_env):
         init_ray(cfg.ray)
     configure_front(cfg.serve.model_copy(update={"host": host}))

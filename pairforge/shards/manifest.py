@@ -26,12 +26,11 @@ from typing import IO, Any
 
 import numpy as np
 
-from pairforge.config import PairforgeConfig
 from pairforge.shards.failures import SHOWN, HostFailures
 from pairforge.shards.features import hf_features
 from pairforge.shards.raw import shard_name, stats_name
 from pairforge.shards.storage import RAW_FOLDER, SHARDS_FOLDER, OutputDir
-from pairforge.stage import Step
+from pairforge.stage import Step, StepConfig
 
 MANIFEST_VERSION = 1
 VERSIONED = ("pairforge", "torch", "open_clip_torch", "transformers", "ray", "webdataset",
@@ -234,7 +233,7 @@ def _one_value(values: set, name: str, default: Any) -> Any:
     return values.pop() if values else default
 
 
-def _step_entries(cfg: PairforgeConfig, steps: list[type[Step]], fold: _Fold
+def _step_entries(cfg: StepConfig, steps: list[type[Step]], fold: _Fold
                   ) -> dict[str, Any]:
     """What the steps say of themselves (``Step.manifest_entries``), by section: the models
     they loaded, each classifier with the rows it scored and dropped."""
@@ -280,20 +279,21 @@ def _stats_batches(out: OutputDir, ids: array
             yield json.loads(read[shard_path]), json.loads(read[raw_path])
 
 
-def build_manifest(out: OutputDir, cfg: PairforgeConfig,
+def build_manifest(out: OutputDir, config: dict[str, Any], cfg: StepConfig,
                    steps: list[type[Step]]) -> Manifest:
-    """``steps``: every step of the stage, on or off (each says what the manifest records
-    of it, e.g. a model that did not run as null)."""
+    """``config``: the build's config as the manifest records it; ``cfg``: what the steps
+    were handed; ``steps``: every step of the stage, on or off (each says what the manifest
+    records of it, e.g. a model that did not run as null)."""
     manifest = Manifest({})
     try:
-        _fill(manifest, out, cfg, steps)
+        _fill(manifest, out, config, cfg, steps)
     except BaseException:
         manifest.close()
         raise
     return manifest
 
 
-def _fill(manifest: Manifest, out: OutputDir, cfg: PairforgeConfig,
+def _fill(manifest: Manifest, out: OutputDir, config: dict[str, Any], cfg: StepConfig,
           steps: list[type[Step]]) -> None:
     fold = _Fold()
     for shard, raw in _stats_batches(out, stats_ids(out, SHARDS_FOLDER)):
@@ -307,8 +307,7 @@ def _fill(manifest: Manifest, out: OutputDir, cfg: PairforgeConfig,
         "manifest_version": MANIFEST_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": _versions(),
-        # serve: is the service's, not the build's (and leaves built manifests as they were)
-        "config": cfg.model_dump(mode="json", exclude={"serve"}),
+        "config": config,
         "vocab": fold.vocab(),
         **_step_entries(cfg, steps, fold),
         "recaption": fold.section_totals("recaption"),

@@ -11,11 +11,11 @@ import json
 
 import pyarrow as pa
 
-from pairforge.config import ModelPoolConfig, PairforgeConfig
+from pairforge.config import ModelPoolConfig
 from pairforge.images import decode_rgb, model_device
 from pairforge.records import process_columns
 from pairforge.sources import TOKENIZER_FILES, WEIGHT_FILES, ModelFolder, ModelSource
-from pairforge.stage import ModelStep, Requirements, StepResult, setting_values
+from pairforge.stage import ModelStep, Requirements, StepConfig, StepResult, setting_values
 from pairforge.tokenizers.vocab import VocabLayout
 
 
@@ -26,21 +26,21 @@ class TokenizeStep(ModelStep):
                                "caption_tokens", "n_caption_tokens", "vocab_layout")
 
     @classmethod
-    def pool_config(cls, cfg: PairforgeConfig) -> ModelPoolConfig:
+    def pool_config(cls, cfg: StepConfig) -> ModelPoolConfig:
         return cfg.process.tokenize
 
     @classmethod
-    def enabled(cls, cfg: PairforgeConfig) -> bool:
+    def enabled(cls, cfg: StepConfig) -> bool:
         return cfg.process.tokenize.enabled
 
     @classmethod
-    def requirements(cls, cfg: PairforgeConfig) -> Requirements:
+    def requirements(cls, cfg: StepConfig) -> Requirements:
         tok = cfg.process.tokenize
         return Requirements(display=tok.image.path_or_id if tok.image else None,
                             sources=tokenizer_sources(cfg),
                             settings=setting_values(tok, "process.tokenize."))
 
-    def __init__(self, cfg: PairforgeConfig) -> None:
+    def __init__(self, cfg: StepConfig) -> None:
         from pairforge.tokenizers.registry import load_image_tokenizer, load_text_tokenizer
 
         super().__init__(cfg)
@@ -69,7 +69,7 @@ class TokenizeStep(ModelStep):
         })
 
 
-def tokenizer_sources(cfg: PairforgeConfig) -> tuple[ModelSource, ...]:
+def tokenizer_sources(cfg: StepConfig) -> tuple[ModelSource, ...]:
     """The image tokenizer (ours: a train-vq folder, never a hub id; the others: a
     transformers folder or hub id) and an hf text tokenizer."""
     tok = cfg.process.tokenize
