@@ -21,6 +21,7 @@ from typing import Any
 from pairforge.config import PairforgeConfig
 from pairforge.pipeline.caption_index import compact_caption_caches
 from pairforge.pipeline.chain import enabled_steps, stage_steps
+from pairforge.pipeline.contract import step_config, with_step_config
 from pairforge.pipeline.entry import RunOptions, summarise
 from pairforge.pipeline.plan import plan_shards
 from pairforge.pipeline.preflight import check_model_sources
@@ -31,7 +32,7 @@ from pairforge.pipeline.semantic_stage import run_semantic_dedup
 from pairforge.pipeline.settings import check_settings
 from pairforge.pipeline.stream import map_scores, remove_fragment_folder, stream_shards
 from pairforge.pipeline.write import write_scores_task, write_shard_task
-from pairforge.shards.manifest import build_manifest, write_dataset_files
+from pairforge.shards.manifest import Manifest, build_manifest, write_dataset_files
 from pairforge.shards.raw import completed_shards, stats_name
 from pairforge.shards.storage import (
     EMBEDDINGS_FOLDER,
@@ -48,11 +49,13 @@ def _learn_from_scores(cfg: PairforgeConfig, out: OutputDir, steps: list[type[St
     """The scoring pass: the chain up to ``scorer`` (later, costlier steps wait for the
     writing pass) over every shard; returns the config the writing pass runs under, with
     what the step learned from every shard's scores, and the stats that record it."""
-    stream_shards(scorer.scoring_config(cfg, for_embeddings=False), out,
+    scoring = scorer.scoring_config(step_config(cfg), for_embeddings=False)
+    stream_shards(with_step_config(cfg, scoring), out,
                   plan_shards(out, cfg, SCORES_FOLDER), steps[:steps.index(scorer) + 1],
                   write_scores_task, {}, None)
-    return scorer.learn(cfg, map_scores(out, cfg.output.storage_options, scorer.score_column,
-                                        cfg.ray.max_task_retries))
+    learned, stats = scorer.learn(step_config(cfg), map_scores(
+        out, cfg.output.storage_options, scorer.score_column, cfg.ray.max_task_retries))
+    return with_step_config(cfg, learned), stats
 
 
 def _writer_drops(cfg: PairforgeConfig, steps: list[type[Step]]) -> tuple[str, ...]:
@@ -60,9 +63,18 @@ def _writer_drops(cfg: PairforgeConfig, steps: list[type[Step]]) -> tuple[str, .
     the writer will not save (it served the steps only). The image stays: the writer puts
     it in the tar, and the raw tar is read once."""
     scorer = scoring_step(steps)
-    if scorer and scorer.embedding_column and not scorer.saves_embeddings(cfg):
+    if scorer and scorer.embedding_column and not scorer.saves_embeddings(step_config(cfg)):
         return (scorer.embedding_column,)
     return ()
+
+
+def dataset_manifest(out: OutputDir, cfg: PairforgeConfig,
+                     steps: list[type[Step]]) -> Manifest:
+    """The manifest of the shards in OUT, made under ``cfg`` (the one the writing pass ran
+    under); ``steps``: every step of the stage, on or off, each saying what it records."""
+    # serve: is the service's, not the build's (and leaves built manifests as they were)
+    return build_manifest(out, cfg.model_dump(mode="json", exclude={"serve"}),
+                          step_config(cfg), steps)
 
 
 def run_process(cfg: PairforgeConfig, run: RunOptions) -> dict[str, Any]:
@@ -78,8 +90,8 @@ def _step_line(step: type[Step], cfg: PairforgeConfig) -> str:
     """A step as the start-up line names it: the model and the actors that load it."""
     if not issubclass(step, ModelStep):
         return step.name
-    model = step.requirements(cfg).display
-    size = step.pool_config(cfg).pool_size
+    model = step.requirements(step_config(cfg)).display
+    size = step.pool_config(step_config(cfg)).pool_size
     return f"{step.name} ({model + ' on ' if model else ''}{size} actor{'s' * (size != 1)})"
 
 
@@ -96,9 +108,9 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
     started = time.time()
     stats_extra: dict[str, Any] = {"stage": "process", "steps": [s.name for s in steps]}
     for step in steps:
-        stats_extra.update(step.stage_stats(cfg))
+        stats_extra.update(step.stage_stats(step_config(cfg)))
     scorer = scoring_step(steps)
-    if scorer is not None and scorer.needs_scoring_pass(cfg):
+    if scorer is not None and scorer.needs_scoring_pass(step_config(cfg)):
         cfg, learned = _learn_from_scores(cfg, out, steps, scorer)
         stats_extra.update(learned)
     if cfg.dedup.semantic.enabled:
@@ -111,10 +123,10 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
     display = StageDisplay("process", len(all_ids), rows, len(all_ids) - len(plans),
                            live=show_progress)
     if plans:  # before any recaption actor starts: it reads its cache's index by lookup
-        compact_caption_caches(cfg, steps, cfg.ray.max_task_retries)
+        compact_caption_caches(step_config(cfg), steps, cfg.ray.max_task_retries)
     with contextlib.ExitStack() as scope:
         for step in steps:
-            scope.enter_context(step.build_scope(cfg))
+            scope.enter_context(step.build_scope(step_config(cfg)))
         with display:
             coordinator_cpu_s = stream_shards(cfg, out, plans, steps, write_shard_task,
                                               stats_extra, display, _writer_drops(cfg, steps))
@@ -125,7 +137,7 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
         out.remove_temporaries(folder)
     remove_fragment_folder(out)
     seconds = time.time() - started
-    with build_manifest(out, cfg, stage_steps(cfg)) as manifest:
+    with dataset_manifest(out, cfg, stage_steps(cfg)) as manifest:
         manifest.fields["log"] = log  # this run's log file, relative to OUT (one a stage run)
         write_dataset_files(out, manifest)
     summary = summarise(out, SHARDS_FOLDER, all_ids)
