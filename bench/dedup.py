@@ -57,13 +57,9 @@ from common import COCO_IMAGES, REPO, TESTS, arg_parser
 from PIL import Image, ImageEnhance, ImageOps
 
 from pairforge.config import DedupConfig
-from pairforge.dedup.decide import (
-    HASH_BITS,
-    local_mapper,
-    near_pairs,
-    plan_bands,
-)
+from pairforge.dedup.bands import HASH_BITS, plan_bands
 from pairforge.dedup.hashing import phash_u64
+from pairforge.dedup.reference import local_mapper, near_pairs
 
 sys.path.insert(0, str(TESTS))  # the quadratic references
 from references import all_pairs_count  # noqa: E402

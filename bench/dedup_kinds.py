@@ -18,10 +18,11 @@ from common import COCO_IMAGES, TESTS, best_cpu_ms, max_rss_mib
 from PIL import Image, ImageEnhance, ImageOps
 
 from pairforge.config import DedupConfig, ImageConfig
-from pairforge.dedup.decide import ROWS_SCHEMA, find_duplicates, local_mapper
+from pairforge.dedup.decide import ROWS_SCHEMA
 from pairforge.dedup.grids import GridCheck
 from pairforge.dedup.hashing import perceptual_hashes, phash_u64
-from pairforge.dedup.semantic import default_clusters, semantic_duplicates
+from pairforge.dedup.reference import find_duplicates, local_mapper, semantic_duplicates
+from pairforge.dedup.semantic import default_clusters
 from pairforge.download.imageproc import ProcessedImage, process_image
 from pairforge.records import make_key
 

@@ -153,7 +153,7 @@ ORACLE = textwrap.dedent("""
     import json, sys, time
     import pyarrow as pa, pyarrow.parquet as pq
     from pathlib import Path
-    from pairforge.dedup.decide import find_duplicates
+    from pairforge.dedup.reference import find_duplicates
     from pairforge.dedup.partitions import read_hash_columns
     raw, out = Path(sys.argv[1]), Path(sys.argv[2])
     started = time.perf_counter()

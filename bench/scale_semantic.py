@@ -88,7 +88,7 @@ def _child(out: str) -> None:
 def _oracle(out: str, clusters: str) -> None:
     """The one-process decision (semantic.semantic_duplicates) on the same rows: is the
     pass's output the same?"""
-    from pairforge.dedup.semantic import semantic_duplicates
+    from pairforge.dedup.reference import semantic_duplicates
 
     folder = Path(out)
     keys, vectors, area = [], [], []

@@ -23,10 +23,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pairforge.config import DedupConfig
-from pairforge.dedup.decide import find_duplicates, next_index
 from pairforge.dedup.grids import GridCheck
 from pairforge.dedup.hashing import CROP_FRACTIONS
 from pairforge.dedup.partitions import read_hash_columns, read_index
+from pairforge.dedup.reference import find_duplicates, next_index
 from pairforge.records import Status, make_key, raw_schema
 
 REGIONS = 4

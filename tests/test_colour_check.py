@@ -18,7 +18,7 @@ from PIL import Image, ImageEnhance, ImageOps
 
 from pairforge.config import DedupConfig, ImageConfig
 from pairforge.dedup import grids
-from pairforge.dedup.decide import INDEX_SCHEMA, ROWS_SCHEMA, find_duplicates
+from pairforge.dedup.decide import ROWS_SCHEMA
 from pairforge.dedup.grids import (
     FRAMES,
     GRID_BYTES,
@@ -28,6 +28,8 @@ from pairforge.dedup.grids import (
     colour_grid,
     legacy_form,
 )
+from pairforge.dedup.index import INDEX_SCHEMA
+from pairforge.dedup.reference import find_duplicates
 from pairforge.download.imageproc import ProcessedImage, process_image
 from pairforge.scenes.world import COLOURS, render, scenes
 

@@ -24,20 +24,11 @@ from conftest import COCO_IMAGES
 from PIL import Image, ImageEnhance, ImageOps
 
 from pairforge.config import DedupConfig, ImageConfig, RayConfig
-from pairforge.dedup.decide import (
-    DEGENERATE_MIN_BITS,
-    ROWS_SCHEMA,
-    _brute_pairs,
-    find_duplicates,
-    is_degenerate,
-    local_mapper,
-    near_pairs,
-    next_index,
-    pixel_hash_matches,
-    plan_bands,
-    prepare_rows,
-)
+from pairforge.dedup.bands import DEGENERATE_MIN_BITS, _brute_pairs, is_degenerate, plan_bands
+from pairforge.dedup.decide import ROWS_SCHEMA, prepare_rows
 from pairforge.dedup.hashing import CROP_FRACTIONS, perceptual_hashes, phash_u64
+from pairforge.dedup.index import pixel_hash_matches
+from pairforge.dedup.reference import find_duplicates, local_mapper, near_pairs, next_index
 from pairforge.download.imageproc import ProcessedImage, process_image
 from pairforge.records import Status, make_key, raw_schema
 

@@ -40,7 +40,7 @@ def test_counts_and_one_shards_range(tmp_path):
 def test_merge_sorted_streams_two_sorted_tables_into_one():
     import random
 
-    from pairforge.dedup.partitions import merge_sorted
+    from pairforge.dedup.key_ranges import merge_sorted
 
     rng = random.Random(3)
     for _ in range(50):

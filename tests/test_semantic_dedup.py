@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from references import brute_force_pairs
 
+from pairforge.dedup.reference import semantic_duplicates
 from pairforge.dedup.semantic import (
     assign,
     cluster_pairs,
@@ -20,7 +21,6 @@ from pairforge.dedup.semantic import (
     group_pairs,
     kmeans,
     normalise,
-    semantic_duplicates,
 )
 from pairforge.records import Status, make_key
 

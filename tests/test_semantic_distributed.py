@@ -20,7 +20,8 @@ import pytest
 from cluster_utils import LocalCluster, family
 from test_semantic_dedup import planted, write_scored_shards
 
-from pairforge.dedup.semantic import sample_mask, semantic_duplicates
+from pairforge.dedup.reference import semantic_duplicates
+from pairforge.dedup.semantic import sample_mask
 from pairforge.dedup.semantic_partitions import balanced_groups
 from pairforge.records import make_key
 

@@ -1,5 +1,5 @@
 """The colour grid of every image (DESIGN.md section 3) and the checks stage 2 runs on two
-grids before it merges their images (filters/dedup.colour_groups).
+grids before it merges their images (dedup/decide.colour_groups).
 
 The perceptual hashes see luminance only, and coarsely: two images they call near can
 differ in colour (a red and a blue circle), in where a small shape sits, or in a shape's
@@ -39,7 +39,7 @@ from pairforge.config import DedupConfig
 from pairforge.dedup.hashing import CROP_FRACTIONS
 
 GRID_SIDE, _CHANNELS = 16, 3
-# what each perceptual point (filters/dedup.points_of's columns) sees: the whole image,
+# what each perceptual point (dedup/decide.points_of's columns) sees: the whole image,
 # its mirror, then each CROP_FRACTIONS region and its mirror
 POINT_FRACTIONS = (1.0, 1.0, *(f for f in CROP_FRACTIONS for _ in range(2)))
 POINTS = len(POINT_FRACTIONS)
@@ -74,7 +74,7 @@ def colour_grid(image: Image.Image) -> bytes:
     # the share of each reduced pixel inside each cell: Pillow's box filter rounds cell
     # edges to whole pixels, which left a mirrored copy up to 60 levels off. At ordinary
     # aspect ratios the products stay under OpenBLAS's threading size
-    # (filters/hashing._ROWS_PER_PRODUCT).
+    # (dedup/hashing._ROWS_PER_PRODUCT).
     factor = max(1, min(w, h) // (GRID_SIDE * 4))
     small = (image.reduce(factor) if factor > 1 else image).convert("YCbCr")
     channels = np.asarray(small, dtype=np.float32).transpose(2, 0, 1)

@@ -1,12 +1,13 @@
-"""Stage 2 split into partition tasks: the decisions of ``dedup.find_duplicates``, with no
-process ever holding every row.
+"""Stage 2 split into partition tasks: the decisions of ``dedup/decide.py``, with no
+process ever holding every row (``dedup/reference.find_duplicates`` makes them in one).
 
 Every function here is one task of one phase (``pipeline/dedup_stage.py`` runs them on
 Ray, in this order); each reads the partitioned files of earlier phases
-(``filters/shuffle.py``) and writes its own under the stage's work folder, so a retried
-or rerun task writes the same rows again. A row is known everywhere by its *position*
-``pos`` = (input file number << 32) + row number: raw shards first, then index files, in
-the order the single-process algorithm concatenates them, so ties are broken as there.
+(``dedup/shuffle.py``) and writes its own under the stage's work folder
+(``dedup/work.py``), so a retried or rerun task writes the same rows again. A row is known
+everywhere by its *position* ``pos`` = (input file number << 32) + row number: raw shards
+first, then index files, in the order the single-process algorithm concatenates them, so
+ties are broken as there.
 
 1. ``scatter``: read the hash columns of some raw shards or index files; write the rows
    (by position), the new rows' keys (by key), the exact hashes (by exact hash) and every
@@ -16,29 +17,27 @@ the order the single-process algorithm concatenates them, so ties are broken as 
    repeated keys are refused here.
 3. ``unique_values``: per value partition, the distinct values, each with its first row
    (its *representative*), and the other rows sharing it. The driver sums the counts and
-   plans the band join (``dedup.plan_bands``) on the total, as the single process does.
+   plans the band join (``dedup/bands.plan_bands``) on the total, as the single process
+   does.
 4. ``band_scatter`` / ``band_join``: the values again, partitioned by the bits of one band;
    a task runs every band combination whose lowest band that is, so each bucket of equal
    keys is whole in one task and is split, paired out and judged dense exactly as in the
    single process. Pairs go out by the value partition of their first value.
 5. ``value_links`` / ``near_links``: dense values leave the join (as there); each value's
    rows are linked to its representative, and each near pair links two representatives.
-6. ``filters/components.py``: the connected components of those links.
+6. ``dedup/components.py``: the connected components of those links.
 7. ``label_members`` / ``decide``: the rows of each component meet in one task, which
-   picks the survivor and writes the evidence with ``dedup``'s own functions.
-8. ``sort_range`` / ``concat_sorted``: duplicates by key range, then one file.
-9. ``index_rows_out`` / ``index_part``: the next index (earlier index rows + survivors),
-   in parts by a prefix of the hash of each row's source and key.
+   picks the survivor and writes the evidence with ``dedup/decide.py``'s functions.
+8. ``dedup/key_ranges.py``: duplicates by key range, then one file.
+9. ``dedup/index_writing.py``: the next index (earlier index rows + survivors), in parts
+   by a prefix of the hash of each row's source and key.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import posixpath
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -47,6 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pairforge.dedup.bands import BandPlan, _brute_pairs, _combo_pairs_local, is_degenerate
 from pairforge.dedup.components import (
     LABEL_SCHEMA,
     StepResult,
@@ -55,30 +55,20 @@ from pairforge.dedup.components import (
     write_edges,
 )
 from pairforge.dedup.decide import (
-    DUPLICATES_SCHEMA,
-    HASH_BITS,
     HASH_KINDS,
-    INDEX_SCHEMA,
     ROWS_SCHEMA,
-    BandPlan,
-    _brute_pairs,
-    _combo_pairs_local,
-    as_index,
     best_of_groups,
     colour_groups,
     colour_splits,
-    drop_repeated_rows,
     duplicates_table,
     exact_codes,
-    index_rows,
-    is_degenerate,
-    pixel_hash_matches,
     points_of,
     prepare_rows,
     survivor_order,
     survivor_rank,
 )
-from pairforge.dedup.grids import GridCheck
+from pairforge.dedup.index import INDEX_SCHEMA, as_index, index_rows, pixel_hash_matches
+from pairforge.dedup.key_ranges import key_range_of
 from pairforge.dedup.shuffle import (
     mix64,
     part_of,
@@ -88,8 +78,8 @@ from pairforge.dedup.shuffle import (
     write_parts,
     write_table,
 )
+from pairforge.dedup.work import InputFile, Work
 from pairforge.records import HASH_COLUMNS
-from pairforge.shards.storage import atomic_writer
 from pairforge.tables import read_key_range
 
 _WHOLE = 0
@@ -112,60 +102,9 @@ HALF_SCHEMA = pa.schema([pa.field("b", pa.uint64()), pa.field("rep_a", pa.int64(
 POS_SCHEMA = pa.schema([pa.field("pos", pa.int64())])
 MEMBER_SCHEMA = pa.schema([*ROW_SCHEMA, pa.field("label", pa.int64()),
                            pa.field("exact_loser", pa.bool_())])
-INDEX_ROW_SCHEMA = pa.schema([*INDEX_SCHEMA, pa.field("new", pa.bool_()),
-                              pa.field("pos", pa.int64())])
 
 # Keys each scatter task samples from its rows, for the key ranges of the output sort.
 KEY_SAMPLES = 64
-INDEX_BITS_KEY = b"pairforge.index_prefix_bits"
-
-
-# ------------------------------------------------------------------------------ layout
-
-
-@dataclass(frozen=True)
-class Work:
-    """Where a run's intermediate files live and how they are partitioned."""
-
-    root: str  # URL of the work folder (OUT/dedup/work)
-    storage_options: dict[str, Any]
-    parts: int  # partitions of rows, keys, exact hashes, values and links
-    max_distance: int
-    check: GridCheck = GridCheck()  # filters/dedup.colour_groups; whether mirrors count
-    perceptual: bool = True  # False: no row's hashes enter the near join (exact only)
-    # An append (pipeline/dedup_stage.py): this build's label in its own index, whose
-    # rows are read back as index rows (they win, as shipped rows) with no source, so
-    # that a new row dropped for one is a duplicate within this build
-    own_source: str | None = None
-    # (duplicates, index) URLs of that finished run: a raw shard that --retry-failed
-    # rewrote since is read again, less the rows those files hold decisions for
-    earlier: tuple[str, str] | None = None
-
-    def fs(self) -> fsspec.AbstractFileSystem:
-        return fsspec.core.url_to_fs(self.root, **self.storage_options)[0]
-
-    def path(self, *names: str) -> str:
-        base = fsspec.core.url_to_fs(self.root, **self.storage_options)[1]
-        return posixpath.join(base, *names)
-
-    def files(self, folder: str, producers: int) -> list[str]:
-        """The file of each producer task of a phase (every producer writes one)."""
-        return [self.path(folder, f"{i:06d}.parquet") for i in range(producers)]
-
-    def file(self, folder: str, producer: int) -> str:
-        return self.path(folder, f"{producer:06d}.parquet")
-
-    def expand(self, sources: list[tuple[str, int]]) -> list[str]:
-        """The files of several phases, each given as (folder, producers)."""
-        return [path for folder, producers in sources for path in self.files(folder, producers)]
-
-
-@dataclass(frozen=True)
-class InputFile:
-    number: int  # its place among all inputs: raw shards first, then index files
-    url: str
-    index: bool  # an index file of an earlier build
-    rewritten: bool = False  # a raw shard rewritten since the finished run read it
 
 
 def count_rows(urls: list[str], storage_options: dict[str, Any]) -> list[int]:
@@ -553,14 +492,6 @@ def label_members(work: Work, part: int, labels: str, scatter_units: int) -> int
     return len(members)
 
 
-def key_range_of(keys: pa.ChunkedArray, boundaries: list[str]) -> np.ndarray:
-    if not boundaries:
-        return np.zeros(len(keys), np.int64)
-    found = np.searchsorted(np.array(boundaries, dtype=object),
-                            keys.to_numpy(zero_copy_only=False), side="right")
-    return found.astype(np.int64)
-
-
 def decide(work: Work, part: int, boundaries: list[str]) -> dict[str, int]:
     """Phase 7b: survivors and evidence of the components of one partition."""
     fs = work.fs()
@@ -589,144 +520,12 @@ def decide(work: Work, part: int, boundaries: list[str]) -> dict[str, int]:
             **{kind.value: kinds.get(kind.value, 0) for kind in HASH_KINDS}}
 
 
-def sort_range(work: Work, key_range: int, schema: pa.Schema = DUPLICATES_SCHEMA) -> int:
-    """Phase 8a: one key range of the duplicates, sorted."""
-    fs = work.fs()
-    found = read_part(fs, work.files("duplicates", work.parts), key_range, schema)
-    found = found.take(pc.sort_indices(found, sort_keys=[("key", "ascending")]))
-    write_table(fs, work.file("sorted", key_range), found)
-    return len(found)
-
-
-def _earlier_groups(url: str, storage_options: dict[str, Any], schema: pa.Schema
-                    ) -> Iterator[pa.Table]:
-    fs, path = fsspec.core.url_to_fs(url, **storage_options)
-    with fs.open(path, "rb") as handle:
-        reader = pq.ParquetFile(handle)
-        for group in range(reader.num_row_groups):
-            yield reader.read_row_group(group).cast(schema)
-
-
-def _last_key(tables: list[pa.Table]) -> str | None:
-    for table in reversed(tables):
-        if len(table):
-            return table["key"][-1].as_py()
-    return None
-
-
-def merge_sorted(earlier: Iterator[pa.Table], new: Iterator[pa.Table]) -> Iterator[pa.Table]:
-    """Two streams of tables sorted by key, as one: an earlier group at a time with the
-    new rows that sort up to its last key (only those wait in memory)."""
-    by_key = [("key", "ascending")]
-    pending: list[pa.Table] = []
-    for group in earlier:
-        if not len(group):
-            continue
-        last = group["key"][-1]
-        while (seen := _last_key(pending)) is None or seen <= last.as_py():
-            more = next(new, None)
-            if more is None:
-                break
-            pending.append(more)
-        if not pending:
-            yield group
-            continue
-        waiting = pa.concat_tables([group.schema.empty_table(), *pending])
-        up_to = pc.less_equal(waiting["key"], last)
-        pending = [waiting.filter(pc.invert(up_to))]
-        both = pa.concat_tables([group, waiting.filter(up_to)])
-        yield both.take(pc.sort_indices(both, sort_keys=by_key))
-    yield from pending
-    yield from new
-
-
-def concat_sorted(work: Work, ranges: int, out_url: str,
-                  schema: pa.Schema = DUPLICATES_SCHEMA, earlier: str | None = None) -> None:
-    """Phase 8b: the sorted key ranges, in order, as one parquet file (a row group or more
-    per range: one range in memory at a time). ``earlier``: an earlier run's sorted table
-    merged in by key (an append), a row group at a time."""
-    fs = work.fs()
-    out_fs, out_path = fsspec.core.url_to_fs(out_url, **work.storage_options)
-    out_fs.makedirs(posixpath.dirname(out_path), exist_ok=True)
-    found = (read_tables(fs, [work.file("sorted", r)], schema) for r in range(ranges))
-    if earlier is not None:
-        found = merge_sorted(_earlier_groups(earlier, work.storage_options, schema), found)
-    with atomic_writer(out_fs, out_path) as handle, \
-            pq.ParquetWriter(handle, schema) as writer:
-        for table in found:
-            if len(table):
-                writer.write_table(table)
-
-
-# ------------------------------------------------------------------------------- index
-
-
-def index_prefix_bits(rows: int, rows_per_part: int) -> int:
-    """Bits of hash prefix that split ``rows`` index rows into parts of at most about
-    ``rows_per_part``."""
-    return max(0, math.ceil(math.log2(max(1, rows) / rows_per_part))) if rows else 0
-
-
-def index_part_name(prefix: int, bits: int) -> str:
-    return f"part-{prefix:0{max(1, math.ceil(bits / 4))}x}.parquet"
-
-
-def _index_prefix(table: pa.Table, bits: int) -> np.ndarray:
-    """Prefix of the hash of each row's source and key: a row repeated in several index
-    files (its pixel hash left out of an older one, say) always lands in one part, where
-    it is kept once."""
-    if bits == 0:
-        return np.zeros(len(table), np.int64)
-    identity = pc.binary_join_element_wise(pc.fill_null(table["source"], ""),
-                                           table["key"], "\x00")
-    return (string_hash(identity) >> np.uint64(HASH_BITS - bits)).astype(np.int64)
-
-
-def index_rows_out(work: Work, part: int, scatter_units: int, source: str,
-                   bits: int) -> int:
-    """Phase 9a: the rows of this partition that go into the next index: every index row
-    and every new row that was not dropped."""
-    fs = work.fs()
-    rows = read_part(fs, work.files("rows", scatter_units), part, ROW_SCHEMA)
-    gone = read_part(fs, work.files("dropped", work.parts), part, POS_SCHEMA)["pos"]
-    from_index = rows["from_index"].to_numpy(zero_copy_only=False)
-    keep = from_index | ~np.isin(rows["pos"].to_numpy(), gone.to_numpy())
-    kept = rows.filter(pa.array(keep))
-    sources = pc.coalesce(kept["source"], pa.scalar(source))  # new rows and own index rows
-    table = pa.table({
-        "key": kept["key"], "source": sources, "pixel_hash": kept["exact"],
-        "phash": kept["phash"], "phash_mirror": kept["phash_mirror"],
-        "crop_phashes": kept["crop_phashes"], "colour_grid": kept["colour_grid"],
-        "original_width": kept["original_width"],
-        "original_height": kept["original_height"],
-        "new": pc.invert(kept["from_index"]), "pos": kept["pos"],
-    }, schema=INDEX_ROW_SCHEMA)
-    write_parts(fs, work.file("index", part), table, _index_prefix(table, bits))
-    return len(table)
-
-
-def index_part(work: Work, prefix: int, bits: int, out_url: str) -> int:
-    """Phase 9b: one part of the next index: its rows in the single process's order
-    (earlier index rows first), each (source, key) once, sorted by source and key."""
-    fs = work.fs()
-    table = read_part(fs, work.files("index", work.parts), prefix, INDEX_ROW_SCHEMA)
-    table = table.take(pc.sort_indices(table, sort_keys=[("new", "ascending"),
-                                                         ("pos", "ascending")]))
-    index = drop_repeated_rows(table.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA))
-    metadata = {**INDEX_SCHEMA.metadata, INDEX_BITS_KEY: str(bits).encode()}
-    index = index.replace_schema_metadata(metadata)
-    out_fs, out_path = fsspec.core.url_to_fs(out_url, **work.storage_options)
-    write_table(out_fs, out_path, index)
-    return len(index)
-
-
-
 # -------------------------------------------------------------------------- components
 
 
 def large_star_step(work: Work, sources: list[tuple[str, int]], part: int, step: int
                     ) -> StepResult:
-    """Phase 6, a large-star step over one partition (``filters/components.py``)."""
+    """Phase 6, a large-star step over one partition (``dedup/components.py``)."""
     return large_star(work.fs(), work.expand(sources), part, work.file(f"small-{step}", part),
                       work.file(f"labels-{step}", part), work.parts)
 

@@ -10,7 +10,7 @@ caption burned in, hash far apart but embed close together. The decision:
 3. inside each cluster, every pair at cosine ``>= threshold`` is found by chunked matrix
    products (:func:`cluster_pairs`: exact within the cluster, no approximation);
 4. clusters are the connected components of those pairs, and the survivor of each is the
-   row ``filters.dedup.survivor_order`` ranks first (largest original, then lowest key):
+   row ``dedup/decide.survivor_order`` ranks first (largest original, then lowest key):
    the rule of the hash dedup, so a row and its copies keep the same survivor whichever
    kind of evidence linked them.
 
@@ -18,18 +18,15 @@ Unlike SemDeDup, which drops a row when any better-ranked row is similar even if
 row is dropped in turn, every dropped row here names a survivor that is kept, so the
 contact sheet can show the two side by side. Pairs that k-means puts in different
 clusters are not compared: that is the approximation, measured against all pairs in the
-tests and the bench. Everything is numpy (BLAS matrix products). :func:`semantic_duplicates`
-decides in one process; the stage runs the same decision as partitioned Ray tasks
-(``filters/semantic_parts.py``, ``pipeline/semantic_stage.py``), and that function is its
-test oracle.
+tests and the bench. Everything is numpy (BLAS matrix products). The stage runs the
+decision as partitioned Ray tasks (``dedup/semantic_partitions.py``,
+``pipeline/semantic_stage.py``); ``dedup/reference.semantic_duplicates`` makes it in one
+process, the tests' oracle.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -186,48 +183,6 @@ def _members(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if labels.ndim == 1:
         return np.arange(len(labels)), labels
     return np.repeat(np.arange(len(labels)), labels.shape[1]), labels.reshape(-1)
-
-
-@dataclass
-class SemanticResult:
-    duplicates: pa.Table  # SEMANTIC_SCHEMA, sorted by key
-    stats: dict[str, Any]
-
-
-def semantic_duplicates(keys: pa.Array, embeddings: np.ndarray, area: np.ndarray,
-                        threshold: float, clusters: int, iterations: int = 10,
-                        seed: int = 0, probes: int = 1,
-                        sample_rows: int = 131_072) -> SemanticResult:
-    """The rows to drop as ``duplicate_semantic``, in one process: see the module docstring.
-
-    ``area`` (original width x height) and ``keys`` decide survivors. ``probes`` > 1
-    searches each row in its nearest ``probes`` clusters: pairs split by a cluster
-    boundary are found too, for about probes^2 times the pair-search work. The stage runs
-    the same decision as Ray tasks (``filters/semantic_parts.py``); this is its oracle.
-    """
-    if isinstance(keys, pa.ChunkedArray):
-        keys = keys.combine_chunks()
-    keys = keys if isinstance(keys, pa.Array) else pa.array(keys, pa.string())
-    # the sample is kept in key order: the centroids do not depend on the reading order
-    order = pc.sort_indices(keys).to_numpy()
-    keys, area = keys.take(pa.array(order)), np.asarray(area)[order]
-    x = normalise(np.asarray(embeddings)[order])
-    started = time.perf_counter()
-    size = sample_size(len(x), clusters, sample_rows)
-    centroids = kmeans(x[sample_mask(keys, len(x), size, seed)], clusters, iterations, seed)
-    labels = assign(x, centroids, probes)
-    clustered = time.perf_counter()
-    pairs, _ = group_pairs(x, labels, list(range(len(centroids))), threshold)
-    searched = time.perf_counter()
-    table = duplicates_from_pairs(keys, x, area, pairs)
-    sizes = np.bincount(labels.reshape(-1), minlength=len(centroids))
-    stats = {"embeddings": len(x), "clusters": len(centroids), "probes": probes,
-             "largest_cluster": int(sizes.max(initial=0)), "threshold": threshold,
-             "pairs": len(pairs), Status.DUPLICATE_SEMANTIC.value: len(table),
-             "seconds": {"kmeans": round(clustered - started, 3),
-                         "pairs": round(searched - clustered, 3),
-                         "survivors": round(time.perf_counter() - searched, 3)}}
-    return SemanticResult(table, stats)
 
 
 def duplicates_from_pairs(keys: pa.Array, x: np.ndarray, area: np.ndarray,

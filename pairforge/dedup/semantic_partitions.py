@@ -1,11 +1,12 @@
-"""Stage 3's semantic dedup split into tasks: the decision of
-``semantic.semantic_duplicates``, with no process ever holding every embedding.
+"""Stage 3's semantic dedup split into tasks: the decision of ``dedup/semantic.py``, with
+no process ever holding every embedding (``dedup/reference.semantic_duplicates`` makes it
+in one).
 
 A row is known by its position ``pos`` = (shard id << 32) + its place among the shard's
 embedded rows, in the one order :class:`RowsReader` gives them. The shards are grouped
 into *units* of consecutive shards. Every function here is one task of one phase
 (``pipeline/semantic_stage.py`` runs them on Ray, in this order); each reads the
-partitioned files of earlier phases (``filters/shuffle.py``) and writes its own, so a
+partitioned files of earlier phases (``dedup/shuffle.py``) and writes its own, so a
 retried or rerun task writes the same rows again:
 
 1. ``count_unit``: the rows of a unit that take part (the driver adds them up).
@@ -16,12 +17,12 @@ retried or rerun task writes the same rows again:
    cluster sizes come back, so the driver can balance the pair search.
 4. ``pair_group``: the buckets of one group, every cluster searched whole
    (``semantic.cluster_pairs``, exact within the cluster); the pairs are written as the
-   edges of ``filters/components.py``, which finds the components as for stage 2.
+   edges of ``dedup/components.py``, which finds the components as for stage 2.
 5. ``route_labels`` / ``attach``: each node of a component goes back to its unit, which
    adds its key, area and vector and sends it to its component's partition.
-6. ``decide``: the survivor of each component (``dedup.survivor_order``, the hash dedup's
-   rule) and each dropped row's similarity to it, out by key range; then
-   ``dedup_parts.sort_range`` / ``concat_sorted`` write one file sorted by key.
+6. ``decide``: the survivor of each component (``dedup/decide.survivor_order``, the hash
+   dedup's rule) and each dropped row's similarity to it, out by key range; then
+   ``dedup/key_ranges.py``'s ``sort_range`` / ``concat_sorted`` write one file sorted by key.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import pyarrow.parquet as pq
 
 from pairforge.dedup.components import LABEL_SCHEMA, write_edges
 from pairforge.dedup.decide import best_of_groups, survivor_order
-from pairforge.dedup.partitions import Work, key_range_of
+from pairforge.dedup.key_ranges import key_range_of
 from pairforge.dedup.semantic import (
     SEMANTIC_SCHEMA,
     assign,
@@ -53,6 +54,7 @@ from pairforge.dedup.shuffle import (
     write_parts,
     write_table,
 )
+from pairforge.dedup.work import Work
 from pairforge.records import Status
 
 # (shard id, with vectors) -> the shard's rows that take part: a table of (key, area),
