@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import COCO, arg_parser
+from common import COCO, TESTS, arg_parser
 from stage_step import (
     add_stage_args,
     compare,
@@ -36,6 +37,8 @@ from stage_step import (
     raw_images,
     stage_seconds,
 )
+
+sys.path.insert(0, str(TESTS))  # tiny_models: the tests' random-weight captioners
 
 
 def bare_loop(raw: Path, model_dir: Path, batch_size: int, max_new_tokens: int,
@@ -91,7 +94,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=20)
     add_stage_args(parser)
     args = parser.parse_args()
-    from pairforge.recaption.tiny import save_tiny_captioner
+    from tiny_models import save_tiny_captioner
 
     with open(COCO / "captions.csv", newline="") as f:
         captions = [r["caption"] for r in csv.DictReader(f)]

@@ -9,7 +9,7 @@ the wrong place. Only pipeline/ and serve/ import Ray (the recaption step's clai
 named actor, aside), and no module reaches itself through its imports, not even through an
 import inside a function. Within the domain layer, shards/ (the files on disk) is the
 bottom. No module is over 600 lines unless its docstring says why ("Over 600 lines
-because ..."), and no function over 60.
+because ..."), no function over 60, and no module imports a test fixture from tests/.
 """
 
 from __future__ import annotations
@@ -191,6 +191,18 @@ def test_the_length_check_counts_a_long_function() -> None:
     source = f"def short():\n    pass\n\n\nclass A:\n    def long(self):\n{body}"
     assert long_functions(source) == []  # exactly the limit, def line included
     assert long_functions(source + "        x = 0\n") == [("long", MAX_FUNCTION_LINES + 1)]
+
+
+def test_no_module_imports_the_tests() -> None:
+    """Test fixtures (tiny random-weight models, loopback servers, references) live in
+    tests/, and pairforge/ runs without them: no module imports one, not even inside a
+    function."""
+    fixtures = {path.stem for path in (PACKAGE.parent / "tests").glob("*.py")} | {"tests"}
+    assert "tiny_models" in fixtures
+    importing = [f"{module_name(path)} imports {imported}"
+                 for path in sorted(PACKAGE.rglob("*.py"))
+                 for imported in all_imports(path) if imported.split(".")[0] in fixtures]
+    assert not importing, "\n".join(importing)
 
 
 def test_only_pipeline_imports_ray() -> None:

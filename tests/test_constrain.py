@@ -1,7 +1,7 @@
 """Constrained decoding (issue 20): the attribute nouns refused while a real model writes.
 
 The tokenizer is a byte-level BPE trained on the spot and the model a tiny random-weight
-BLIP (pairforge.recaption.tiny), loaded by path through the backend's own loading code;
+BLIP (tests/tiny_models.py), loaded by path through the backend's own loading code;
 the OpenAI backend's ``logit_bias`` is checked on the wire.
 """
 
@@ -13,12 +13,12 @@ import pytest
 from conftest import COCO_IMAGES
 from openai_server import OpenAIServer
 from PIL import Image
+from tiny_models import save_tiny_captioner, train_tokenizer
 
 from pairforge.config import RecaptionConfig
 from pairforge.recaption.attributes import load_lexicon, neutralize
 from pairforge.recaption.backends import OpenAICaptioner, TransformersCaptioner, load_captioner
 from pairforge.recaption.constrain import PRONOUNS, WordBlocker, blocked_words
-from pairforge.recaption.tiny import save_tiny_captioner, train_tokenizer
 
 TAUGHT = ["A man holding his baby.", "A woman riding a horse.", "Two boys on a road.",
           "A girl with her dog.", "A mother and her son.", "A man in a red hat."]

@@ -26,6 +26,7 @@ from test_process_stage import (  # noqa: F401 - tiny_clip, tiny_vq: session fix
     tiny_clip,
     tiny_vq,
 )
+from tiny_models import fit_captioner, save_tiny_captioner
 
 from pairforge.config import RecaptionConfig, parse_config
 from pairforge.pipeline.entry import RunOptions
@@ -35,7 +36,6 @@ from pairforge.recaption.cache import CachedCaption, CaptionCache, mentions_text
 from pairforge.recaption.choice import training_caption
 from pairforge.recaption.grounding import NounLexicon
 from pairforge.recaption.prompts import clean_caption
-from pairforge.recaption.tiny import fit_captioner, save_tiny_captioner
 
 TAUGHT = ["A young woman holding an umbrella next to a dog.",
           "Two boys riding bicycles on a road.",

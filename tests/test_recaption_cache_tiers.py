@@ -20,6 +20,7 @@ import pytest
 from conftest import COCO_CAPTIONS, COCO_IMAGES
 from golden import tiny_clip
 from PIL import Image
+from tiny_models import save_tiny_captioner
 
 from pairforge.config import parse_config
 from pairforge.dedup.hashing import phash_u64, pixel_hash_hex
@@ -27,7 +28,6 @@ from pairforge.pipeline.contract import step_config
 from pairforge.recaption import step as step_module
 from pairforge.recaption.cache import CachedCaption, CaptionCache, cache_dir
 from pairforge.recaption.step import RecaptionStep
-from pairforge.recaption.tiny import save_tiny_captioner
 
 
 def _unit(*values: float) -> np.ndarray:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from pairforge.recaption.tiny import TINY
+from tiny_models import TINY
 
 
 def clip_tokenizer(texts: Iterable[str], vocab_size: int = 600):  # noqa: ANN201

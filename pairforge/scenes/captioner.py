@@ -1,4 +1,4 @@
-"""The scene world's captioner: the small BLIP of recaption/tiny.py taught the world.
+"""The scene world's captioner: the small BLIP of scenes/blip.py taught the world.
 
 It learns on the ``captioner`` split (scenes the ablation never trains on) and is judged on
 the held-out split, whose captions no training split contains: a caption is right when it
@@ -78,12 +78,11 @@ def train_captioner(out: str | Path, n_train: int = 8000, steps: int = 3000,
                     batch_size: int = 32, lr: float = 2e-3, n_eval: int = 500, seed: int = 0,
                     log: Any = print) -> dict[str, Any]:
     """Build, teach and evaluate the captioner; save it in ``out`` with its report."""
-    from pairforge.recaption.tiny import save_tiny_captioner
+    from pairforge.scenes.blip import save_untrained
 
     started = time.perf_counter()
     train = scenes(n_train, "captioner")
-    folder = save_tiny_captioner("blip", out, [s.caption for s in train], resolution=SIDE,
-                                 seed=seed, size="small")
+    folder = save_untrained(out, [s.caption for s in train], resolution=SIDE, seed=seed)
     _fit(folder, train, steps, batch_size, lr, seed, log)
     held = scenes(n_eval, "heldout")
     captions = caption_images(folder, [render(s, SIDE) for s in held])

@@ -1,11 +1,13 @@
-"""Tiny random-weight captioners built from transformers configs, for tests, benchmarks and
-the scene world's captioner (scenes/captioner.py); the tests' detector is tests/tiny_detector.py.
+"""Tiny random-weight captioners built from transformers configs, for the tests and
+bench/recaption.py (which imports this with tests/ on sys.path); the tests' detector is
+tiny_detector.py, their VQ models tiny_vq.py.
 
 No model hub is reachable here (DESIGN.md section 8), so tests train a byte-level BPE on
 the captions at hand, build a BLIP, GIT or Idefics3 (SmolVLM's architecture, with a chat
 template) model a few hundred kB large around it, and save both with ``save_pretrained``:
 the recaption step then loads the folder through ``AutoProcessor`` /
-``AutoModelForImageTextToText`` exactly as it loads a hub id.
+``AutoModelForImageTextToText`` exactly as it loads a hub id. The tokenizer and the BLIP
+config are the scene world captioner's (pairforge/scenes/blip.py), at 32 wide instead of 64.
 """
 
 from __future__ import annotations
@@ -14,39 +16,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
+from pairforge.scenes.blip import blip, token_ids, train_tokenizer
+
+__all__ = ["TINY", "fit_captioner", "save_tiny_captioner", "train_tokenizer"]
+
 Arch = Literal["blip", "git", "idefics3"]
-Size = Literal["tiny", "small", "base"]
-SPECIALS = {"pad_token": "[PAD]", "bos_token": "[BOS]", "eos_token": "[EOS]",
-            "unk_token": "[UNK]", "mask_token": "[MASK]"}
+Size = Literal["tiny", "base"]
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
-# "small" BLIP: the scene world's captioner (pairforge/scenes/captioner.py), ~1 MB
-SMALL = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
-
-
-def train_tokenizer(captions: Iterable[str], vocab_size: int = 512,  # noqa: ANN201
-                    add_prefix_space: bool = True):
-    """A byte-level BPE with the specials BLIP and GIT expect, as a fast HF tokenizer;
-    ``add_prefix_space=False`` encodes "man" and " man" apart, as GPT-2 and Llama do."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=list(SPECIALS.values()))
-    tokenizer.train_from_iterator([c for c in captions if c], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, cls_token="[BOS]",
-                                   sep_token="[EOS]", **SPECIALS)
-
-
-def _token_ids(tokenizer) -> dict[str, int]:  # noqa: ANN001
-    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id}
 
 
 def _blip(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
+    if size == "tiny":
+        return blip(tokenizer, resolution, TINY, initializer_range=None)
     from transformers import (
         BlipConfig,
         BlipForConditionalGeneration,
@@ -54,19 +35,10 @@ def _blip(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
         BlipProcessor,
     )
 
-    tiny = size in ("tiny", "small")
-    dims = TINY if size == "tiny" else SMALL
-    vision = dict(dims, image_size=resolution, patch_size=8, projection_dim=32) if tiny \
-        else {"image_size": resolution}
-    if size == "small":  # BLIP's default 1e-10 starts position embeddings at zero: no "where"
-        vision["initializer_range"] = 0.02
     text = dict(vocab_size=len(tokenizer), sep_token_id=tokenizer.eos_token_id,
-                **_token_ids(tokenizer))
-    if tiny:
-        text.update(dims, encoder_hidden_size=dims["hidden_size"], projection_dim=32,
-                    max_position_embeddings=96)
-    model = BlipForConditionalGeneration(BlipConfig(text_config=text, vision_config=vision,
-                                                    **({"projection_dim": 32} if tiny else {})))
+                **token_ids(tokenizer))
+    model = BlipForConditionalGeneration(BlipConfig(text_config=text,
+                                                    vision_config={"image_size": resolution}))
     images = BlipImageProcessor(size={"height": resolution, "width": resolution})
     return model, BlipProcessor(image_processor=images, tokenizer=tokenizer)
 
@@ -74,15 +46,13 @@ def _blip(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
 def _git(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
     from transformers import CLIPImageProcessor, GitConfig, GitForCausalLM, GitProcessor
 
-    if size == "small":
-        raise ValueError("git: size small is BLIP only; use tiny or base")
     if size == "tiny":
         vision = dict(TINY, image_size=resolution, patch_size=8, projection_dim=32)
         config = GitConfig(vision_config=vision, vocab_size=len(tokenizer),
-                           max_position_embeddings=96, **TINY, **_token_ids(tokenizer))
+                           max_position_embeddings=96, **TINY, **token_ids(tokenizer))
     else:  # GIT-base: CLIP ViT-B/16 encoder, 6-layer 768-wide text decoder
         config = GitConfig(vision_config={"image_size": resolution, "patch_size": 16},
-                           vocab_size=len(tokenizer), **_token_ids(tokenizer))
+                           vocab_size=len(tokenizer), **token_ids(tokenizer))
     images = CLIPImageProcessor(size={"shortest_edge": resolution},
                                 crop_size={"height": resolution, "width": resolution})
     return GitForCausalLM(config), GitProcessor(image_processor=images, tokenizer=tokenizer)
@@ -115,7 +85,7 @@ def _idefics3(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
                                   chat_template=IDEFICS3_TEMPLATE)  # adds its image tokens
     tokenizer = processor.tokenizer
     text = dict(TINY, model_type="llama", vocab_size=len(tokenizer), num_key_value_heads=2,
-                max_position_embeddings=256, **_token_ids(tokenizer))
+                max_position_embeddings=256, **token_ids(tokenizer))
     vision = dict(TINY, num_hidden_layers=1, image_size=resolution, patch_size=patch)
     model = Idefics3ForConditionalGeneration(Idefics3Config(
         vision_config=vision, text_config=text, scale_factor=scale,
@@ -128,8 +98,7 @@ def _idefics3(tokenizer, resolution: int, size: Size):  # noqa: ANN001, ANN202
 def save_tiny_captioner(arch: Arch, out_dir: str | Path, captions: Iterable[str],
                         resolution: int = 32, seed: int = 0, size: Size = "tiny") -> Path:
     """A random-weight ``arch`` captioner with a tokenizer trained on ``captions``;
-    ``size="base"`` builds the published base architecture (for benchmarks); ``small``
-    (BLIP only) is the scene world's captioner."""
+    ``size="base"`` builds the published base architecture (for benchmarks; BLIP and GIT)."""
     import torch
 
     torch.manual_seed(seed)
@@ -172,8 +141,9 @@ def fit_captioner(folder: str | Path, images: list, captions: list[str], steps: 
 
 
 def main() -> None:
-    """python -m pairforge.recaption.tiny IMAGES_DIR CAPTIONS_CSV OUT [STEPS]: the captioner
-    shipped for the offline demo (pairforge/sample/captioner), taught the bundled sample."""
+    """python tests/tiny_models.py IMAGES_DIR CAPTIONS_CSV OUT [STEPS]: a tiny BLIP at 64 px
+    taught a folder's pairs (the offline demo's captioner before the scene world's, which
+    ``python -m pairforge.scenes.captioner`` builds into pairforge/sample/captioner)."""
     import csv
     import sys
 
