@@ -1,6 +1,8 @@
 """Stage 3 at scale (issue 48): the driver's CPU and memory, and rows/s, on a cheap chain.
 
     python bench/stage3.py [--rows 100000 1000000] [--quick] [--json FILE] [--work DIR]
+                           [--cache-entries 100000 10000000] [--cache-embedding]
+                           [--cache-before] [--only-cache]
 
 For each size, raw shards of 32-px scenes (the bundled sample's images, each through stage
 1's image pass once, then repeated under new keys: dedup is off) are written to disk in
@@ -11,8 +13,12 @@ with the cheap chain: basic filters, the demo's VQ (pairforge/sample/vq32) and c
 measured for that run and for a rerun with nothing left to do; the difference is what the
 rows cost the driver. ``--quick`` stops at 10^6 rows. ``--json FILE`` writes
 ``{"driver_cpu_s_per_1e5_rows": {"<rows>": …}, "driver_peak_rss_mib": {"<rows>": …},
-"rows_per_s": {"<rows>": …}}`` (issue 48's layout; its decode count and recaption-actor
-memory are not measured here yet).
+"rows_per_s": {"<rows>": …}, "recaption_actor_peak_rss_mib": {"<cache entries>": …}}``
+(issue 48's layout; its decode count is not measured here yet).
+
+The recaption actor's peak RSS with a caption cache of ``--cache-entries`` entries, and
+the cache compaction's wall time, are bench/stage3_cache.py's (``--quick``: at most 10^6
+entries; ``--only-cache``: nothing else).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 
 import yaml
 from common import SAMPLE, arg_parser, json_from_child
+from stage3_cache import measure as measure_cache
 
 _DRIVER = """
 import json, resource, sys, time
@@ -125,6 +132,27 @@ def measure(rows: int, work: Path, shard_size: int) -> dict[str, Any]:
     return result
 
 
+def cache_report(args: Any, work: Path) -> dict[str, Any]:
+    """The recaption actor's peak RSS by cache entries (bench/stage3_cache.py)."""
+    entries = [n for n in args.cache_entries if not args.quick or n <= 1_000_000]
+    # the whole-load cache holds every entry in dicts: measured up to 10^6 entries
+    found = [measure_cache(n, work, before=args.cache_before and n <= 1_000_000)
+             for n in entries]
+    report: dict[str, Any] = {
+        "recaption_actor_peak_rss_mib": {str(r["entries"]): round(r["actor"]["peak_rss_mib"], 1)
+                                         for r in found},
+        "cache_compaction_s": {str(r["entries"]): r["compaction_s"] for r in found}}
+    if args.cache_before:
+        report["recaption_actor_peak_rss_mib_before"] = {
+            str(r["entries"]): round(r["before"]["peak_rss_mib"], 1) for r in found
+            if "before" in r}
+    if args.cache_embedding:
+        embedded = measure_cache(100_000, work, embedding=True, before=args.cache_before)
+        report["recaption_actor_peak_rss_mib_embedding"] = {
+            "100000": round(embedded["actor"]["peak_rss_mib"], 1)}
+    return report
+
+
 def main() -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
@@ -132,12 +160,20 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=10_000)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--work", type=Path)
+    parser.add_argument("--cache-entries", type=int, nargs="*", default=[100_000, 10_000_000])
+    parser.add_argument("--cache-embedding", action="store_true",
+                        help="also the embedding tier, at 10^5 entries")
+    parser.add_argument("--cache-before", action="store_true",
+                        help="also the whole-load cache (CaptionCache.load), up to 10^6")
+    parser.add_argument("--only-cache", action="store_true")
     args = parser.parse_args()
     sizes = [r for r in args.rows if not args.quick or r <= 1_000_000]
     work = args.work or Path(tempfile.mkdtemp(prefix="pf-stage3-"))
-    results = [measure(rows, work, args.shard_size) for rows in sizes]
+    results = [] if args.only_cache else [measure(rows, work, args.shard_size)
+                                          for rows in sizes]
     report = {key: {str(r["rows"]): r[key] for r in results}
               for key in ("driver_cpu_s_per_1e5_rows", "driver_peak_rss_mib", "rows_per_s")}
+    report.update(cache_report(args, work))
     print(json.dumps(report, indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

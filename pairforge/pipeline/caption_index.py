@@ -71,4 +71,4 @@ def compact_cache(folder: OutputDir, storage_options: dict[str, Any], phash_dist
     say(f"process: caption cache {folder.url}: generation {marker['generation']} "
         f"({len(names)} new log parts, {plan.new_rows} rows) in {seconds} s")
     return {"generation": marker["generation"], "log_parts": len(names),
-            "rows": plan.new_rows, "entries": totals, "seconds": seconds}
+            "rows": plan.new_rows, "index_rows": totals, "seconds": seconds}

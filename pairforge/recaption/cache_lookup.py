@@ -16,7 +16,9 @@ before its actors start, so normally there is none). The answers are those of
   with the number of stored vectors; an inverted-file layout (clustered vectors, the
   nearest clusters probed) is not built yet.
 
-A batch's hashes are grouped by partition, and each partition is read once per batch.
+A batch's hashes are grouped by partition, and each partition is read once per batch
+(and held one at a time beyond the LRU). A band partition is held as its keys only; its
+captions are read for the rows that match.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from pairforge.shards.storage import OutputDir
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE_BYTES = 64 << 20  # partitions an actor keeps between batches
+DEFAULT_CACHE_BYTES = 32 << 20  # partitions an actor keeps between batches
+ENTRY_COLUMNS = ["recaption", "flags", "log", "row"]
 TAIL_ROWS = 1 << 16  # more unheld log rows than this: the tail is left out (a warning)
 
 Order = tuple[str, int]  # (log part, row): log order
@@ -103,12 +106,21 @@ class ExactRows(Rows):
                            value_set=self.table["pixel_hash"]).to_pylist()
 
 
-class BandRows(Rows):
-    def __init__(self, table: pa.Table) -> None:
-        super().__init__(table)
-        self.band = table["band"].to_numpy()
-        self.bits = table["bits"].to_numpy()
-        self.phash = table["phash"].to_numpy()
+class BandRows:
+    """A band partition's keys as arrays; its entries (captions) are read only for the
+    rows that match, since most near lookups miss (``entries``: the table, or how to
+    read it)."""
+
+    def __init__(self, keys: pa.Table, entries: pa.Table | Callable[[], pa.Table]) -> None:
+        self.band = keys["band"].to_numpy()
+        self.bits = keys["bits"].to_numpy()
+        self.phash = keys["phash"].to_numpy()
+        self.entries = entries
+
+    def entries_at(self, rows: list[int]) -> list[tuple[Order, CachedCaption]]:
+        table = self.entries if isinstance(self.entries, pa.Table) else self.entries()
+        found = Rows(table.take(rows))
+        return [found.entry(i) for i in range(len(rows))]
 
     def first_near(self, band: int, bits: int, phash: int, distance: int) -> int | None:
         """The first row of band ``band`` holding ``bits`` within ``distance`` of ``phash``."""
@@ -124,14 +136,18 @@ class VectorRows(Rows):
         self.matrix = flat.reshape(len(table), -1) if len(table) else np.zeros((0, 0), "f4")
 
 
-def _nbytes(rows: Rows) -> int:
-    return rows.table.nbytes + sum(getattr(rows, a).nbytes for a in
-                                   ("band", "bits", "phash", "matrix") if hasattr(rows, a))
+def _nbytes(rows: Rows | BandRows) -> int:
+    arrays = [getattr(rows, a) for a in ("band", "bits", "phash", "matrix") if hasattr(rows, a)]
+    table = rows.table if isinstance(rows, Rows) else None
+    return (table.nbytes if table is not None else 0) + sum(a.nbytes for a in arrays)
 
 
-def _read(folder: OutputDir, path: str, schema: pa.Schema, **kwargs: Any) -> pa.Table:
+def _read(folder: OutputDir, path: str, columns: list[str]) -> pa.Table:
+    """Some columns of an index file; the log part's name as a dictionary (a partition's
+    rows come from few parts)."""
     with folder.fs.open(path, "rb") as f:
-        return pq.read_table(f, **kwargs).replace_schema_metadata(None).cast(schema)
+        return pq.read_table(f, columns=columns, read_dictionary=["log"]
+                             ).replace_schema_metadata(None)
 
 
 class IndexedCaptionCache:
@@ -167,14 +183,18 @@ class IndexedCaptionCache:
         exact = pa.concat_tables([EXACT_SCHEMA.empty_table(), *(f[0] for f in found)])
         bands = pa.concat_tables([BAND_SCHEMA.empty_table(), *(f[1] for f in found)])
         vectors = pa.concat_tables([VECTOR_SCHEMA.empty_table(), *(f[2] for f in found)])
-        return (ExactRows(last_per_hash(exact)), BandRows(bands.sort_by(ORDER)),
-                VectorRows(vectors))
+        bands = bands.sort_by(ORDER)
+        return ExactRows(last_per_hash(exact)), BandRows(bands, bands), VectorRows(vectors)
 
-    def _partition(self, kind: str, prefix: int) -> Rows:
-        def load() -> tuple[Rows, int]:
-            path = part_path(self.folder, self.marker, kind, prefix)
-            rows = (ExactRows(_read(self.folder, path, EXACT_SCHEMA)) if kind == "exact"
-                    else BandRows(_read(self.folder, path, BAND_SCHEMA)))
+    def _partition(self, kind: str, prefix: int) -> ExactRows | BandRows:
+        path = part_path(self.folder, self.marker, kind, prefix)
+
+        def load() -> tuple[ExactRows | BandRows, int]:
+            if kind == "exact":
+                rows = ExactRows(_read(self.folder, path, EXACT_SCHEMA.names))
+            else:
+                rows = BandRows(_read(self.folder, path, ["band", "bits", "phash"]),
+                                lambda: _read(self.folder, path, ENTRY_COLUMNS))
             return rows, _nbytes(rows)
 
         return self.partitions.get((kind, prefix), load)
@@ -197,20 +217,21 @@ class IndexedCaptionCache:
 
     def _exact(self, hashes: list[str]) -> dict[int, tuple[Order, CachedCaption]]:
         best: dict[int, tuple[Order, CachedCaption]] = {}
-        sources: list[tuple[ExactRows, list[int]]] = []
-        if self.marker is not None and hashes:
-            prefixes = exact_prefix(pa.array(hashes, pa.string()), self.marker["exact_bits"])
-            for prefix in np.unique(prefixes).tolist():
-                sources.append((self._partition("exact", prefix),
-                                np.flatnonzero(prefixes == prefix).tolist()))
-        if self.tail is not None:
-            sources.append((self.tail[0], list(range(len(hashes)))))
-        for rows, wanted in sources:
+
+        def take(rows: ExactRows, wanted: list[int]) -> None:
             for i, at in zip(wanted, rows.find([hashes[i] for i in wanted]), strict=True):
                 if at is not None:
                     order, entry = rows.entry(at)
                     if i not in best or order > best[i][0]:  # the last in log order
                         best[i] = (order, entry)
+
+        if self.marker is not None and hashes:
+            prefixes = exact_prefix(pa.array(hashes, pa.string()), self.marker["exact_bits"])
+            for prefix in np.unique(prefixes).tolist():  # one partition held at a time
+                take(self._partition("exact", prefix),
+                     np.flatnonzero(prefixes == prefix).tolist())
+        if self.tail is not None:
+            take(self.tail[0], list(range(len(hashes))))
         return best
 
     def _near(self, queries: list[tuple[int, int]]) -> dict[int, CachedCaption]:
@@ -229,7 +250,7 @@ class IndexedCaptionCache:
                 if self.tail is not None:
                     at = self.tail[1].first_near(band, int(values[band][q]), phash, distance)
                     if at is not None:
-                        candidates.append(self.tail[1].entry(at))
+                        candidates.extend(self.tail[1].entries_at([at]))
                 if candidates:
                     found[i] = min(candidates, key=lambda c: c[0])[1]
                     break
@@ -242,12 +263,16 @@ class IndexedCaptionCache:
                     for band, v in enumerate(values)]
         for prefix in np.unique(np.concatenate(prefixes)).tolist():
             rows = self._partition("bands", prefix)
+            matched: dict[tuple[int, int], int] = {}
             for band, of_band in enumerate(prefixes):
                 for q in np.flatnonzero(of_band == prefix).tolist():
                     at = rows.first_near(band, int(values[band][q]), queries[q][1],
                                          self.phash_distance)
                     if at is not None:
-                        firsts[(q, band)] = rows.entry(at)
+                        matched[(q, band)] = at
+            if matched:
+                firsts.update(zip(matched, rows.entries_at(list(matched.values())),
+                                  strict=True))
 
     # -- embedding tier ---------------------------------------------------------------
 
