@@ -358,3 +358,46 @@ def test_a_claim_registry_only_where_copies_can_reach_stage_3(ray_local, dedup):
     with RecaptionStep.build_scope(cfg):
         registry = find_registry(registry_name(cfg))
         assert (registry is not None) == (not dedup)
+
+
+def test_clip_grounding_reads_the_clip_steps_image_vectors(
+        recaption_raw, tiny_captioners, tiny_clip, ray_local, monkeypatch) -> None:  # noqa: F811
+    """Each image goes through CLIP's image tower once: the clip step keeps the vectors of
+    the rows it scores, and clip grounding reads them instead of encoding the images
+    again (issue 48). The same captions and flags as when grounding encodes them itself."""
+    import pyarrow as pa
+
+    from pairforge.filters.clip import ClipScorer, ClipStep
+    from pairforge.pipeline.contract import step_config
+    from pairforge.pipeline.stream import load_rows
+    from pairforge.recaption.step import RecaptionStep
+
+    class NoDuplicates:
+        def of_shard(self, shard_id: int) -> set[str]:
+            return set()
+
+    encoded: list[int] = []
+    real = ClipScorer.embed_images
+
+    def counting(self, images):  # noqa: ANN001, ANN202
+        encoded.append(len(images))
+        return real(self, images)
+
+    monkeypatch.setattr(ClipScorer, "embed_images", counting)
+    cfg = step_config(parse_config(_config(
+        recaption_raw, tiny_captioners["blip"], tiny_clip, "unused",
+        cache={"enabled": False}, grounding={"min_score": -1.0})))
+    rows = load_rows(pa.table({"shard": [0, 1]}), str(recaption_raw), {}, NoDuplicates())
+    scored = ClipStep(cfg)(rows)
+    assert sum(encoded) == rows.num_rows == len(TAUGHT) + len(DUPLICATED)
+    recaption = RecaptionStep(cfg)
+    captioned = recaption(scored)
+    assert sum(encoded) == rows.num_rows  # grounding encoded nothing
+    assert recaption.checked.grounding.uses_clip_embeddings
+    # without the clip step's vectors, grounding encodes every generated row itself
+    encoded.clear()
+    alone = RecaptionStep(cfg)(scored.drop_columns(["clip_embedding"]))
+    generated = sum(o == "model" for o in alone["recaption_origin"].to_pylist())
+    assert generated > 0 and sum(encoded) >= generated
+    for column in ("recaption", "recaption_flags"):
+        assert captioned[column].to_pylist() == alone[column].to_pylist()

@@ -215,7 +215,11 @@ class ClipStep(ScoringStep, ModelStep):
         self.recaption_first = cfg.process.recaption_first()
         # else clip_training judges the training caption, later, from this embedding
         self.judges = not self.recaption_first or self.clip_cfg.score == "original"
-        self.keeps_for_later = self.recaption_first
+        rc = cfg.process.recaption
+        # clip grounding reads the image vector this step made for the caption's row: the
+        # recaption step then encodes no image with CLIP again (issue 48)
+        self.keeps_for_later = self.recaption_first or (
+            rc.enabled and rc.grounding.enabled and rc.grounding.backend == "clip")
 
     def _texts(self, rows: pa.Table) -> list[str | None]:
         """The caption scored here per row: the alt-text (recaption-first: a usable one)."""
@@ -238,7 +242,7 @@ class ClipStep(ScoringStep, ModelStep):
         embeddings: list[list[float] | None] = (_cached(rows, "clip_embedding") if keep
                                                 else [None] * rows.num_rows)
         scored_now = set(todo)
-        every = self.for_heads or self.keeps_for_later
+        every = self.for_heads or self.recaption_first
         want = range(rows.num_rows) if every else todo
         encode = [i for i in want if i in scored_now or embeddings[i] is None]
         scores: list[float | None] = list(cached)

@@ -239,10 +239,23 @@ class RecaptionStep(ModelStep):
         if not indices:
             return {}
         images = [decode_rgb(b) for b in rows["image"].take(indices).to_pylist()]
-        known = [vectors.get(i) for i in indices]  # CLIP's vectors serve grounding too
-        given = (known if self.embed_source == "clip" and all(v is not None for v in known)
-                 else None)
+        given = self._clip_vectors(rows, indices, vectors)
         return dict(zip(indices, self.caption_images(images, given), strict=True))
+
+    def _clip_vectors(self, rows: pa.Table, indices: list[int],
+                      vectors: dict[int, Any]) -> list[Any] | None:
+        """The CLIP image vectors of ``indices`` that clip grounding can read instead of
+        encoding the images again: the embedding tier's, when CLIP made them, else the clip
+        step's (None where neither has one; None for all: no vector known)."""
+        kept = (rows["clip_embedding"].to_pylist() if "clip_embedding" in rows.column_names
+                else [None] * rows.num_rows)
+        given = []
+        for i in indices:
+            vector = vectors.get(i) if self.embed_source == "clip" else None
+            if vector is None and kept[i] is not None:
+                vector = np.asarray(kept[i], dtype=np.float32)
+            given.append(vector)
+        return None if all(v is None for v in given) else given
 
     def _embed(self, rows: pa.Table, indices: list[int]) -> dict[int, Any]:
         """Image vectors for the embedding tier: the captioner's own, or CLIP's (the clip
