@@ -176,7 +176,8 @@ class DownloadConfig(Strict):
     allow_file_scheme: bool = False
     opt_out_lists: list[str] = Field(
         default_factory=list, description="files of domains, URLs and URL prefixes (ending "
-        "in *) whose rows end opted_out (reason list) before any request")
+        "in *, or a folder: a path ending in /) whose rows end opted_out (reason list) "
+        "before any request")
     block_lists: list[BlockListConfig] = Field(
         default_factory=list, description="files of image hashes whose images end blocked, "
         "refused after decoding, before anything is written")

@@ -13,9 +13,15 @@ import pytest
 from conftest import COCO_IMAGES
 from loopback_server import LoopbackServer
 
-from pairforge.config import BlockListConfig, ConfigError, parse_config
+from pairforge.config import BlockListConfig, ConfigError, DownloadConfig, parse_config
 from pairforge.download.imageproc import process_image
-from pairforge.download.lists import BlockList, OptOutList, PhashSet, load_lists
+from pairforge.download.lists import (
+    BlockList,
+    OptOutList,
+    PhashSet,
+    list_fingerprints,
+    load_lists,
+)
 
 
 def _file(path: Path, lines: list[str]) -> str:
@@ -26,16 +32,32 @@ def _file(path: Path, lines: list[str]) -> str:
 def test_opt_out_entries_match_domains_urls_and_prefixes(tmp_path):
     lists = OptOutList.load([_file(tmp_path / "a.txt", [
         "# a comment, then a blank line", "", "Example.COM", "https://cdn.net/a/b.jpg",
-        "http://photos.org/private/*   # trailing comment"])], {})
-    assert len(lists) == 3
+        "http://photos.org/private/*   # trailing comment",
+        "https://site.org/folder/", "https://site.org/page?x=/"])], {})
+    assert len(lists) == 5
     for url in ("http://example.com/x.jpg", "https://img.example.com/y.png",
                 "https://EXAMPLE.com./z", "https://cdn.net/a/b.jpg", "HTTPS://CDN.NET/a/b.jpg",
-                "http://photos.org/private/", "http://photos.org/private/deep/1.jpg"):
+                "http://photos.org/private/", "http://photos.org/private/deep/1.jpg",
+                # a line ending in / is a folder, as in robots.txt: it and all under it
+                "https://site.org/folder/", "https://site.org/folder/a.jpg",
+                "https://SITE.org/folder/deep/b.png?size=2", "https://site.org/page?x=/"):
         assert lists.matches(url), url
     for url in ("http://notexample.com/x.jpg", "http://example.co/x", "https://cdn.net/a/b.jpgx",
                 "https://cdn.net/a/B.jpg", "http://photos.org/privat", "https://photos.org/private/x",
-                "ftp://example.com/x", "not a url"):
+                "ftp://example.com/x", "not a url", "https://site.org/folder",
+                "https://site.org/folderx/a.jpg", "http://site.org/folder/a.jpg",
+                "https://site.org/page?x=/y"):
         assert not lists.matches(url), url
+
+
+def test_how_an_opt_out_line_reads_is_in_the_settings_fingerprint(tmp_path):
+    """Folder lines became prefixes (issue 52): shards made under the old reading of the
+    same file must not pass as made under these settings."""
+    path = _file(tmp_path / "l.txt", ["ab" * 32])
+    as_opt_out = list_fingerprints(DownloadConfig(opt_out_lists=[path]), {})
+    as_block = list_fingerprints(DownloadConfig(
+        block_lists=[BlockListConfig(path=path, kind="sha256")]), {})
+    assert as_opt_out.keys() == as_block.keys() and as_opt_out != as_block
 
 
 def test_a_list_line_that_does_not_parse_is_named_by_file_and_line(tmp_path):

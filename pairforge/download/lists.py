@@ -8,7 +8,10 @@ Opt-out list files, one entry a line (blank lines and ``#`` comments skipped):
 
 * ``example.com``: a domain; the host and every subdomain of it;
 * ``https://example.com/a/b.jpg``: one URL, exactly;
-* ``https://example.com/private/*``: every URL that starts with the part before ``*``.
+* ``https://example.com/private/*``: every URL that starts with the part before ``*``;
+* ``https://example.com/private/``: a URL whose path ends in ``/`` is a folder: it and
+  every URL under it, as robots.txt reads a path (``https://example.com/`` is the whole
+  site). Before issue 52 such a line was one exact URL, so nothing under it was out.
 
 Scheme and host are compared lower-cased. Block list files hold one hash a line in hex:
 ``sha256`` (64 digits: of the downloaded bytes), ``pixel_hash`` (32: of the decoded
@@ -150,6 +153,18 @@ def _url_form(url: str) -> str | None:
     return head + url[len(head):]
 
 
+def _is_folder(form: str) -> bool:
+    """A URL naming a folder (a path ending in ``/``, no query): opted out with all under it."""
+    parts = urlsplit(form)
+    return parts.path.endswith("/") and not parts.query and not parts.fragment
+
+
+# In the opt-out lists' settings fingerprint: how a line reads. A rule that changes what a
+# line opts out changes the fingerprint, so a rerun redoes (or, without --force, refuses)
+# the shards made under the old reading.
+_OPT_OUT_RULES = b"folder-lines-are-prefixes"
+
+
 @dataclass
 class OptOutList:
     # every entry as fingerprint(kind, text), kind d(omain), u(rl) or p(refix): one sorted
@@ -175,7 +190,7 @@ class OptOutList:
                 if form is None or " " in entry:
                     raise ConfigError(f"{path}:{number}: {entry!r} is not an http(s) URL "
                                       "with a host")
-                if entry.endswith("*"):
+                if entry.endswith("*") or _is_folder(form):
                     entries += fingerprint("p", form)
                     lengths.add(len(form))
                 else:
@@ -264,6 +279,7 @@ def load_lists(cfg: DownloadConfig, storage_options: dict[str, Any]) -> Lists | 
 def list_fingerprints(cfg: DownloadConfig, storage_options: dict[str, Any]) -> dict[str, str]:
     """``{download.LIST#files: fingerprint}`` of each list file (its size and both ends, as
     model files are fingerprinted): a list that changes makes reruns redo the shards."""
+    rules = {path: _OPT_OUT_RULES for path in cfg.opt_out_lists}
     paths = [*cfg.opt_out_lists, *(b.path for b in cfg.block_lists)]
     found = {}
     for path in paths:
@@ -276,6 +292,7 @@ def list_fingerprints(cfg: DownloadConfig, storage_options: dict[str, Any]) -> d
                 tail = handle.read()
         except OSError as err:
             raise ConfigError(f"cannot read the list file {path}: {err}") from None
-        digest = hashlib.sha256(f"{size}\0".encode() + head + b"\0" + tail).hexdigest()[:16]
+        digest = hashlib.sha256(rules.get(path, b"") + f"{size}\0".encode() + head + b"\0"
+                                + tail).hexdigest()[:16]
         found[f"download.lists.{path}#files"] = digest
     return found
