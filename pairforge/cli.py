@@ -29,6 +29,9 @@ app = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Build image-text pretraining shards for unified autoregressive models.")
 app.add_typer(tokenizers_app, name="tokenizers")
+config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                         help="Write or check a config file.")
+app.add_typer(config_app, name="config")
 app.command("train")(train_command)
 app.command("sample")(sample_command)
 
@@ -407,6 +410,22 @@ def eval_run(
     typer.echo(table(result))
     write_json(result, output)
     typer.echo(f"→ {output}")
+
+
+@config_app.command("example")
+def config_example() -> None:
+    """Print a complete config: every key at its default, each with its description."""
+    from pairforge.config import EXAMPLE_PLACEHOLDERS
+    from pairforge.config_example import example_yaml
+
+    typer.echo(example_yaml(PairforgeConfig, EXAMPLE_PLACEHOLDERS), nl=False)
+
+
+@config_app.command("check")
+def config_check(config: ConfigArg, set_: SetOpt = None) -> None:
+    """Validate CONFIG (with any --set overrides): exit 0 if valid, else 2 naming the key."""
+    _load(config, set_)
+    typer.echo(f"{config}: valid")
 
 
 def main() -> None:

@@ -736,6 +736,11 @@ class PairforgeConfig(Strict):
         return self
 
 
+# What `pairforge config example` writes where the schema has no default: the keys every
+# config must set (pairforge/config_example.py).
+EXAMPLE_PLACEHOLDERS: dict[str, Any] = {"input": {"path": "urls.parquet"}}
+
+
 class ConfigError(ValueError):
     """A configuration problem, reported before any work starts."""
 
