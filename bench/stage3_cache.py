@@ -10,10 +10,11 @@ step's module, builds the step's cache object as its ``__init__`` does
 (``IndexedCaptionCache`` with the default partition bound, ``phash_distance`` 2) and
 answers ``BATCHES`` batches of ``BATCH`` rows: a quarter exact hits, a quarter
 perceptual-hash hits (one bit flipped), half misses. Its peak RSS (getrusage) is
-``recaption_actor_peak_rss_mib``. The embedding tier (``--embedding``) is measured at
-10^5 entries only: its vectors are scanned whole per batch (an exact scan; no
-inverted-file layout yet), which at 10^7 vectors is neither fast nor what an actor would
-do. ``--before`` measures the whole-load cache (``CaptionCache.load``) the same way.
+``recaption_actor_peak_rss_mib``. The embedding tier (``--cache-embedding``) is measured
+at 10^5 entries only, over ``EMBEDDING_BATCHES`` batches: its vectors are scanned whole per
+batch (an exact scan; no inverted-file layout yet), which at 10^7 vectors is neither fast
+nor what an actor would do. ``--cache-before`` measures the whole-load cache
+(``CaptionCache.load``) the same way, up to 10^6 entries.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ CHUNK = 100_000  # entries per log part
 QUERIES = 8_000  # known entries sampled for the hits
 BATCHES = 2_000
 BATCH = 16
+EMBEDDING_BATCHES = 200
 DISTANCE = 2
 DIM = 256  # the embedding tier's vectors (SigLIP-size vectors are 768-1152)
 THRESHOLD = 0.9
@@ -125,12 +127,12 @@ def write_log(folder: Path, entries: int, embedding: bool, seed: int = 0) -> pa.
     return pa.concat_tables(samples)
 
 
-def write_queries(path: Path, sample: pa.Table, seed: int = 1) -> None:
+def write_queries(path: Path, sample: pa.Table, batches: int = BATCHES, seed: int = 1) -> None:
     """Batches of a quarter exact hits, a quarter phash hits (one bit off), half misses
     of both; with vectors, half of those misses carry a vector near a stored one."""
     rng = np.random.default_rng(seed)
-    rows = BATCHES * BATCH
-    kind = np.tile(np.repeat([0, 1, 2, 3], BATCH // 4), BATCHES)
+    rows = batches * BATCH
+    kind = np.tile(np.repeat([0, 1, 2, 3], BATCH // 4), batches)
     pick = rng.integers(0, len(sample), rows)
     known_hash = np.asarray(sample["pixel_hash"].to_pylist(), dtype=object)[pick]
     known_phash = sample["phash"].to_numpy()[pick]
@@ -180,6 +182,8 @@ def actor(folder: Path, queries: Path, mode: str, threshold: float | None) -> di
 
 def measure(entries: int, work: Path, embedding: bool = False,
             before: bool = False) -> dict[str, Any]:
+    """One size; with ``embedding``, ``EMBEDDING_BATCHES`` batches (each scans every
+    stored vector)."""
     folder = work / f"cache{entries}{'-emb' if embedding else ''}"
     shutil.rmtree(folder, ignore_errors=True)
     started = time.time()
@@ -188,7 +192,7 @@ def measure(entries: int, work: Path, embedding: bool = False,
     print(f"{entries:,} cache entries: log written in {time.time() - started:.0f} s "
           f"({log_bytes / 2**20:.0f} MiB)", flush=True)
     queries = work / f"queries{entries}.parquet"
-    write_queries(queries, sample)
+    write_queries(queries, sample, EMBEDDING_BATCHES if embedding else BATCHES)
     threshold = THRESHOLD if embedding else None
     result = {"entries": entries, "embedding": embedding,
               "log_mib": round(log_bytes / 2**20, 1), **compact_timed(folder)}
