@@ -318,11 +318,24 @@ def _coordinate(cfg: PairforgeConfig, out: OutputDir, plans: list[ShardPlan],
                 if progress.add(record) == by_id[shard_id].to_process:
                     writes.append(write.remote(cfg, by_id[shard_id],
                                                progress.finished(shard_id), stats_extra, steps))
+            writes = _running(writes)
             snapshot = progress.snapshot()
             if snapshot:
                 yield snapshot
     ray.get(writes)
     yield {**progress.snapshot(force=True), "cpu_s": time.process_time() - started}
+
+
+def _running(writes: list[Any]) -> list[Any]:
+    """The writer tasks still running: the coordinator holds the shards in flight, not one
+    reference per shard of the run, and a failed writer raises here, not at the end."""
+    import ray
+
+    if not writes:
+        return writes
+    done, running = ray.wait(writes, num_returns=len(writes), timeout=0)
+    ray.get(done)
+    return running
 
 
 def _chain(cfg: PairforgeConfig, out: OutputDir, todo: list[ShardPlan],
