@@ -704,3 +704,40 @@ def test_fragments_a_stopped_run_left_are_removed_not_read(tmp_path, coco_raw, t
     assert not (out / "process-work").exists()
     rows = _rows(out)
     assert len(rows) == N_IMAGES and rows["000000000"]["status"] == "ok"
+
+
+def test_gpu_demand_sums_every_pool_hidden_ones_included():
+    """Ray Data runs every pool at once: their GPUs add up, clip_candidates' second pool
+    of process.clip included, and fractions share a GPU (issue 49)."""
+    from pairforge.config import ConfigError
+    from pairforge.filters.clip import ClipCandidatesStep, ClipStep
+    from pairforge.pipeline.placement import check_gpu_demand, gpu_demand
+    from pairforge.tokenizers.step import TokenizeStep
+
+    steps = [ClipStep, ClipCandidatesStep, TokenizeStep]
+    fits = parse_config({"input": {"path": "x"}, "process": {
+        "clip": {"pool_size": 2, "num_gpus": 0.25}, "tokenize": {"num_gpus": 0}}})
+    assert [gpus for _, gpus in gpu_demand(steps, fits)] == [0.5, 0.5]
+    check_gpu_demand(steps, fits, cluster_gpus=1)  # 0.25 x 2 x 2 pools: one GPU
+
+    over = parse_config({"input": {"path": "x"}, "process": {
+        "clip": {"pool_size": 2, "num_gpus": 0.25}, "tokenize": {"num_gpus": 0.25}}})
+    with pytest.raises(ConfigError) as err:
+        check_gpu_demand(steps, over, cluster_gpus=1)
+    message = str(err.value)
+    assert "ask for 1.25 GPUs at once and the cluster has 1" in message
+    for key in ("clip: process.clip.pool_size 2 x process.clip.num_gpus 0.25",
+                "clip_candidates: process.clip.pool_size 2",
+                "tokenize: process.tokenize.pool_size 1 x process.tokenize.num_gpus 0.25"):
+        assert key in message
+
+
+def test_over_asking_for_gpus_stops_before_any_shard(tmp_path, coco_raw, tiny_clip):
+    """This machine's Ray has no GPU: a CLIP pool asking for one would wait forever."""
+    from pairforge.config import ConfigError
+
+    out = _fresh_out(tmp_path, coco_raw)
+    cfg = parse_config(_config(out, tiny_clip, num_gpus=1))
+    with pytest.raises(ConfigError, match=r"process\.clip\.num_gpus 1 = 1 GPUs"):
+        run_process(cfg, RunOptions())
+    assert not list((out / "shards").glob("*.tar"))

@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pairforge.config import PairforgeConfig
+from pairforge.config import ConfigError, ModelPoolConfig, PairforgeConfig
 from pairforge.pipeline.contract import TASK_CPU_RESERVE, TASK_CPUS, step_config
 from pairforge.pipeline.ray_private import cut_into_blocks
 from pairforge.stage import ModelStep, Step, StepConfig
@@ -37,6 +37,51 @@ def fit_actor_cpus(steps: list[type[Step]], cfg: PairforgeConfig,
     budget = max(cluster_cpus - TASK_CPU_RESERVE, 0.05 * demand)
     scale = min(1.0, budget / demand) if demand else 1.0
     return {name: round(p.num_cpus * scale, 4) for name, p in pools.items()}
+
+
+def gpu_demand(steps: list[type[Step]], cfg: PairforgeConfig) -> list[tuple[str, float]]:
+    """Each model pool's GPUs as ``(what it is, GPUs)``: ``pool_size x num_gpus`` of every
+    model step that runs, by its config key. Ray Data runs every pool at once, so the
+    demand is their sum; a step that shares another's section (clip_candidates runs a
+    second pool of process.clip, recaption_2 one of process.recaption) counts again."""
+    handed = step_config(cfg)
+    demand = []
+    for step in steps:
+        if not issubclass(step, ModelStep):
+            continue
+        pool = step.pool_config(handed)
+        if pool.num_gpus:
+            key = _section_key(cfg, pool)
+            demand.append((f"{step.name}: {key}.pool_size {pool.pool_size} x {key}.num_gpus "
+                           f"{pool.num_gpus:g}", pool.pool_size * pool.num_gpus))
+    return demand
+
+
+def check_gpu_demand(steps: list[type[Step]], cfg: PairforgeConfig,
+                     cluster_gpus: float) -> None:
+    """Raise ``ConfigError`` (exit 2) naming every pool when the pools ask for more GPUs
+    than the cluster has: Ray Data would wait for them forever, without a word. Fractional
+    ``num_gpus`` share a GPU (0.25 x 4 is one)."""
+    demand = gpu_demand(steps, cfg)
+    total = sum(gpus for _, gpus in demand)
+    if total > cluster_gpus + 1e-9:
+        lines = [f"{what} = {gpus:g} GPUs" for what, gpus in demand]
+        raise ConfigError(f"process cannot start: the model pools ask for {total:g} GPUs at "
+                          f"once and the cluster has {cluster_gpus:g}:\n  " + "\n  ".join(lines)
+                          + "\n  lower pool_size or num_gpus (fractions share a GPU)")
+
+
+def _section_key(cfg: PairforgeConfig, pool: ModelPoolConfig) -> str:
+    """The dotted key of a pool's section in ``cfg.process`` (classifiers by index)."""
+    for name in type(cfg.process).model_fields:
+        value = getattr(cfg.process, name)
+        if value is pool:
+            return f"process.{name}"
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                if item is pool:
+                    return f"process.{name}[{i}]"
+    return "process.?"
 
 
 # Rows per block through the model steps. Ray Data's executor (stage 3's coordinator

@@ -23,6 +23,7 @@ from pairforge.pipeline.caption_index import compact_caption_caches
 from pairforge.pipeline.chain import enabled_steps, stage_steps
 from pairforge.pipeline.contract import step_config, with_step_config
 from pairforge.pipeline.entry import RunOptions, summarise
+from pairforge.pipeline.placement import check_gpu_demand
 from pairforge.pipeline.plan import plan_shards
 from pairforge.pipeline.preflight import check_model_sources
 from pairforge.pipeline.progress import StageDisplay, say
@@ -86,6 +87,12 @@ def run_process(cfg: PairforgeConfig, run: RunOptions) -> dict[str, Any]:
         return {**_process(cfg, run.show_progress, log), "log": log}
 
 
+def _cluster_gpus() -> float:
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0))
+
+
 def _step_line(step: type[Step], cfg: PairforgeConfig) -> str:
     """A step as the start-up line names it: the model and the actors that load it."""
     if not issubclass(step, ModelStep):
@@ -103,6 +110,7 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
     say("process: starting Ray…")
     init_ray(cfg.ray)
     steps = enabled_steps(cfg)
+    check_gpu_demand(steps, cfg, _cluster_gpus())
     say("process: steps " + ", ".join(_step_line(s, cfg) for s in steps)
         + "; each actor loads its model before the first batch…")
     started = time.time()
