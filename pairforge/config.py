@@ -54,10 +54,14 @@ class InputConfig(Strict):
         description="file, glob, folder or list of them (any fsspec URL); "
         "'bundled-sample' serves the packaged sample over loopback HTTP")
     format: Literal["auto", "txt", "csv", "tsv", "json", "jsonl", "parquet", "folder",
-                    "webdataset"] = "auto"
-    url_col: str = "url"
-    caption_col: str | None = "caption"
-    save_additional_columns: list[str] = Field(default_factory=list)
+                    "webdataset"] = Field(
+        "auto", description="input table format; auto: from the file extension "
+        "(img2dataset's input_format)")
+    url_col: str = Field("url", description="the column holding each row's image URL")
+    caption_col: str | None = Field("caption", description="the column holding the "
+                                    "caption (alt-text); null: no captions")
+    save_additional_columns: list[str] = Field(
+        default_factory=list, description="more input columns carried into every record")
     shard_size: int = Field(10_000, gt=0, description="rows per shard")
     storage_options: dict[str, Any] = Field(default_factory=dict,
                                             description="passed to fsspec (e.g. S3 endpoint)")
@@ -65,7 +69,9 @@ class InputConfig(Strict):
 
 class OutputConfig(Strict):
     path: str = Field("out", description="output root (local path or fsspec URL)")
-    storage_options: dict[str, Any] = Field(default_factory=dict)
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="passed to fsspec for output.path (e.g. S3 "
+        "endpoint, credentials)")
 
 
 class RayConfig(Strict):
@@ -83,14 +89,20 @@ class ImageConfig(Strict):
     """Resize and re-encode, with img2dataset's names and meanings."""
 
     resize_mode: Literal["no", "keep_ratio", "keep_ratio_largest", "center_crop",
-                         "border"] = "keep_ratio"
-    image_size: int = Field(256, gt=0)
-    resize_only_if_bigger: bool = False
+                         "border"] = Field(
+        "keep_ratio", description="img2dataset's resize modes: no, keep_ratio (shorter "
+        "side to image_size), keep_ratio_largest (longer side), center_crop, border (pad "
+        "to a square)")
+    image_size: int = Field(256, gt=0, description="target side in pixels for resize_mode")
+    resize_only_if_bigger: bool = Field(False, description="never upscale: resize only "
+                                        "images larger than the target")
     min_image_size: int = Field(0, ge=0, description="smallest allowed side of the original")
     max_aspect_ratio: float = Field(float("inf"), gt=0,
                                     description="largest allowed long/short side ratio")
-    encode_format: Literal["jpg", "webp", "png"] = "jpg"
-    encode_quality: int = Field(95, ge=0, le=100)
+    encode_format: Literal["jpg", "webp", "png"] = Field(
+        "jpg", description="format the resized image is re-encoded in")
+    encode_quality: int = Field(95, ge=0, le=100, description="jpg/webp quality; png: 0-9 "
+                                "is the zlib level (as img2dataset), above 9 level 6")
     max_pixels: int = Field(89_478_485, gt=0,
                             description="cap on the image's pixels as its header gives them "
                             "(decompression bombs); over it: too_large before decoding")
@@ -139,7 +151,8 @@ class DownloadConfig(Strict):
     retries: int = Field(2, ge=0, description="extra tries after 429/5xx/connection errors")
     backoff: float = Field(0.5, ge=0, description="first retry delay, doubled each try")
     max_retry_after: float = Field(30.0, ge=0, description="longest Retry-After honoured")
-    max_redirects: int = Field(5, ge=0)
+    max_redirects: int = Field(5, ge=0, description="redirects followed per request, "
+                               "each hop checked by the address guard")
     max_bytes: int = Field(20 * 1024**2, gt=0, description="body cap, read while streaming")
     max_task_memory_mb: int | None = Field(
         4096, gt=0, description="memory guard: a shard task whose resident memory passes "
@@ -173,7 +186,9 @@ class DownloadConfig(Strict):
     allow_addresses: Networks = Field(
         default_factory=list,
         description="CIDRs the address guard lets through (e.g. 127.0.0.1/32 for tests)")
-    allow_file_scheme: bool = False
+    allow_file_scheme: bool = Field(False, description="accept file:// URLs (local files; "
+                                    "off by default: an input list must not read the "
+                                    "worker's disk)")
     opt_out_lists: list[str] = Field(
         default_factory=list, description="files of domains, URLs and URL prefixes (ending "
         "in *, or a folder: a path ending in /) whose rows end opted_out (reason list) "
@@ -230,11 +245,12 @@ class SemanticDedupConfig(Strict):
                              "this many rows (256 per cluster otherwise), chosen by a hash of "
                              "the key: the driver holds them (256 MiB at the default x 512 floats)")
     iterations: int = Field(10, gt=0, description="k-means iterations")
-    seed: int = 0
+    seed: int = Field(0, description="seeds the k-means sample and initialisation")
 
 
 class DedupConfig(Strict):
-    enabled: bool = True
+    enabled: bool = Field(True, description="run stage 2 (exact and near-duplicate "
+                          "removal by pixel hash and phash)")
     max_distance: int = Field(
         4, ge=0, le=16,
         description="largest phash Hamming distance counted as a near duplicate")
@@ -278,26 +294,32 @@ class ModelPoolConfig(Strict):
 class BasicFilterConfig(Strict):
     """DataComp's 'basic' filtering as defaults; each bound can be changed or dropped."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="run the basic filters (image size, aspect, "
+                          "caption length and language)")
     min_image_side: int = Field(200, ge=0, description="smaller side of the original (px)")
     max_aspect_ratio: float = Field(3.0, gt=0, description="long/short side of the original")
-    min_caption_words: int = Field(2, ge=0)
-    min_caption_chars: int = Field(5, ge=0)
-    max_caption_words: int | None = Field(None, gt=0)
-    max_caption_chars: int | None = Field(None, gt=0)
+    min_caption_words: int = Field(2, ge=0, description="fewest words in the caption")
+    min_caption_chars: int = Field(5, ge=0, description="fewest characters in the caption")
+    max_caption_words: int | None = Field(None, gt=0, description="most words (null: no "
+                                          "bound)")
+    max_caption_chars: int | None = Field(None, gt=0, description="most characters (null: "
+                                          "no bound)")
     languages: list[str] = Field(
         default_factory=list,
         description="keep captions detected as these ISO 639-1 codes (e.g. [en]); [] = off")
 
 
 class ClipConfig(ModelPoolConfig):
-    enabled: bool = False
+    enabled: bool = Field(False, description="run the CLIP image-text similarity step")
     model: str = Field("ViT-B-32", description="open_clip model name")
     pretrained: str | None = Field(
         "laion2b_s34b_b79k", description="open_clip pretrained tag or a local checkpoint path")
     model_config_path: str | None = Field(
         None, description="a JSON model config for architectures open_clip does not ship")
-    mode: Literal["threshold", "top_fraction", "score_only"] = "threshold"
+    mode: Literal["threshold", "top_fraction", "score_only"] = Field(
+        "threshold", description="threshold: drop scores below it; top_fraction: keep the "
+        "highest top_fraction of the stage (a scoring pass first); score_only: record "
+        "clip_score, drop nothing")
     threshold: float = Field(0.28, description="keep clip_score >= this (LAION: 0.28, B/32)")
     top_fraction: float = Field(0.3, gt=0, le=1,
                                 description="keep this fraction of the highest scores")
@@ -311,17 +333,20 @@ class ClipConfig(ModelPoolConfig):
 class ImageTokenizerConfig(Strict):
     """A VQ image tokenizer (pairforge/tokenizers/registry.py loads it)."""
 
-    backend: Literal["pairforge-vq", "emu3", "janus", "chameleon"] = "pairforge-vq"
+    backend: Literal["pairforge-vq", "emu3", "janus", "chameleon"] = Field(
+        "pairforge-vq", description="pairforge-vq: ours (train-vq); emu3, janus, chameleon: "
+        "their transformers VQ models")
     path_or_id: str = Field(description="hub id or local folder (train-vq output for ours)")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the encoder's precision")
     resolution: int | None = Field(None, gt=0, description="transformers backends: input size")
-    revision: str | None = None
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
 
 
 class TextTokenizerConfig(Strict):
     backend: Literal["hf", "bytes"] = Field("bytes", description="bytes: no files needed")
     path_or_id: str | None = Field(None, description="hub id or local folder (train-text)")
-    revision: str | None = None
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
 
     @model_validator(mode="after")
     def _hf_needs_a_source(self) -> TextTokenizerConfig:
@@ -331,7 +356,8 @@ class TextTokenizerConfig(Strict):
 
 
 class TokenizeConfig(ModelPoolConfig):
-    enabled: bool = False
+    enabled: bool = Field(False, description="run the tokenize step (VQ image codes and "
+                          "caption tokens)")
     batch_size: int = Field(16, gt=0, description="images per encode call")
     image: ImageTokenizerConfig | None = None
     text: TextTokenizerConfig = Field(default_factory=TextTokenizerConfig)
@@ -361,7 +387,7 @@ class OpenAIServerConfig(Strict):
 class RecaptionCacheConfig(Strict):
     """Recaptions keyed by image, persisted across builds."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="reuse and keep captions across runs and builds")
     path: str | None = Field(None, description="cache folder (any fsspec URL); default "
                              "OUT/recaption_cache. Point several builds at one folder to share it")
     phash_distance: int = Field(
@@ -383,7 +409,7 @@ class DetectorConfig(Strict):
     model: str = Field("google/owlv2-base-patch16-ensemble",
                        description="hub id or local folder of an OWL-ViT/OWLv2 checkpoint "
                        "(AutoModelForZeroShotObjectDetection with its processor)")
-    revision: str | None = None
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
     min_score: float = Field(0.1, ge=0, le=1, description="a noun is supported when its best "
                              "box scores at least this (sigmoid of the box's query logit; "
                              "0.1 is OWL-ViT's own detection threshold)")
@@ -397,7 +423,8 @@ class GroundingConfig(Strict):
     """Object nouns of a recaption checked against the image: with the stage's CLIP model
     (backend clip) or an open-vocabulary detector (backend detector)."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="check a recaption's object nouns against the "
+                          "image")
     backend: Literal["clip", "detector"] = Field(
         "clip", description="clip: cosine of the image and 'a photo of a NOUN' with the clip "
         "section's model; detector: the best box of an OWL-ViT/OWLv2 query per noun")
@@ -412,12 +439,14 @@ class GroundingConfig(Strict):
 class RecaptionConfig(ModelPoolConfig):
     """The VLM recaption step (pairforge/recaption)."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="run the recaption step")
     batch_size: int = Field(8, gt=0, description="images per generate call / request wave")
-    backend: Literal["transformers", "openai"] = "transformers"
+    backend: Literal["transformers", "openai"] = Field(
+        "transformers", description="transformers: the model in each actor; openai: an "
+        "OpenAI-compatible server (vLLM, SGLang) at openai.base_url")
     model: str = Field("HuggingFaceTB/SmolVLM-256M-Instruct",
                        description="hub id or local folder (transformers); served name (openai)")
-    revision: str | None = None
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
     prompt: str | None = Field(None, description="default: recaption.prompts.DEFAULT_PROMPT")
     second_prompt: str | None = Field(
         None, description="a second recaption per image under another instruction (e.g. "
@@ -426,7 +455,7 @@ class RecaptionConfig(ModelPoolConfig):
     prompt_mode: Literal["auto", "chat", "prefix", "none"] = Field(
         "auto", description="auto: the chat template when the processor has one, else none; "
         "prefix: the prompt as a text prefix (BLIP-style); none: unconditional captioning")
-    max_new_tokens: int = Field(48, gt=0)
+    max_new_tokens: int = Field(48, gt=0, description="longest caption in tokens")
     input_resolution: int | None = Field(
         None, gt=0, description="the image side the captioner sees (its cost dial: image "
         "tokens dominate a VLM captioner's cost); null: the processor's own. transformers: "
@@ -480,10 +509,12 @@ class ClassifierConfig(ModelPoolConfig):
 
     name: str = Field(pattern=r"^[a-z][a-z0-9_]*$",
                       description="the score column is NAME_score (parquet and sample json)")
-    backend: Literal["transformers", "clip-head"]
+    backend: Literal["transformers", "clip-head"] = Field(
+        description="transformers: an image-classification model; clip-head: a linear head "
+        "over the clip step's image embedding")
     model: str | None = Field(None, description="transformers: hub id or local folder of an "
                               "AutoModelForImageClassification with its image processor")
-    revision: str | None = None
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
     label: str | None = Field(None, description="transformers: the label (config.id2label) "
                               "whose probability is the score")
     path: str | None = Field(None, description="clip-head: a state dict file (.pth, .pt, "
@@ -616,7 +647,8 @@ class EvaluationConfig(Strict):
                               "the strata, each compared on its own (also --stratum)")
     min_rows: int = Field(5, ge=1, description="strata with fewer rows are reported but not "
                           "held to the bounds (too few to tell a gap from noise)")
-    max_gap: GapBounds = Field(default_factory=GapBounds)
+    max_gap: GapBounds = Field(default_factory=GapBounds, description="per metric, the "
+                               "largest difference allowed between two strata (exit 1 past it)")
 
 
 class ServeCacheConfig(Strict):
@@ -637,13 +669,14 @@ class ServeConfig(Strict):
     """``pairforge serve``: on-demand captioning over HTTP (Ray Serve, pairforge/serve)."""
 
     host: str = Field("127.0.0.1", description="address the service (HAProxy) listens on")
-    port: int = Field(8000, ge=0, le=65535)
+    port: int = Field(8000, ge=0, le=65535, description="port the service listens on")
     replicas: int = Field(1, gt=0, description="model replicas when autoscaling is off "
                           "(each reserves process.recaption's num_cpus/num_gpus/resources)")
     min_replicas: int | None = Field(None, ge=0, description="with max_replicas: autoscale "
                                      "the model replicas between these (Serve's "
                                      "autoscaling_config)")
-    max_replicas: int | None = Field(None, gt=0)
+    max_replicas: int | None = Field(None, gt=0, description="with min_replicas: the most "
+                                     "model replicas autoscaling starts")
     target_ongoing_requests: float = Field(2.0, gt=0, description="autoscaling target per "
                                            "model replica: batches waiting or running")
     ingress_replicas: int = Field(1, gt=0, description="HTTP ingress replicas (request "
