@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import posixpath
-from typing import Any
 
 import fsspec
 import numpy as np
@@ -124,8 +123,3 @@ def read_tables(fs: fsspec.AbstractFileSystem, paths: list[str], schema: pa.Sche
         with fs.open(path, "rb") as handle:
             tables.append(pq.read_table(handle).replace_schema_metadata(None).cast(schema))
     return pa.concat_tables(tables).combine_chunks()
-
-
-def filesystem(url: str, storage_options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem,
-                                                                    str]:
-    return fsspec.core.url_to_fs(url, **storage_options)
