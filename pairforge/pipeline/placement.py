@@ -42,8 +42,8 @@ def fit_actor_cpus(steps: list[type[Step]], cfg: PairforgeConfig,
 def gpu_demand(steps: list[type[Step]], cfg: PairforgeConfig) -> list[tuple[str, float]]:
     """Each model pool's GPUs as ``(what it is, GPUs)``: ``pool_size x num_gpus`` of every
     model step that runs, by its config key. Ray Data runs every pool at once, so the
-    demand is their sum; a step that shares another's section (clip_candidates runs a
-    second pool of process.clip, recaption_2 one of process.recaption) counts again."""
+    demand is their sum; a step that shares another step's section (a second pool on the
+    same settings) counts again."""
     handed = step_config(cfg)
     demand = []
     for step in steps:
