@@ -178,11 +178,12 @@ def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
     """Run every stage in order; complete shards of earlier runs are skipped."""
     from pairforge.pipeline.dedup_stage import run_dedup_stage
     from pairforge.pipeline.download_stage import run_download
-    from pairforge.pipeline.process import run_process
+    from pairforge.pipeline.process import check_process_placement, run_process
     from pairforge.pipeline.settings import check_settings
 
     cfg = _load(config, set_)
     _preflight(cfg, "build")  # before hours of downloading, not after
+    _run_guarded(check_process_placement, cfg)  # stage 3's GPUs, also before stage 1
     # every stage's complete shards are checked now, once: a stage-3 change stops the build
     # before stage 1, not after it, and the stages do not read the stats files again
     run = _run_guarded(check_settings, cfg, ("download", "process"), _options(force, quiet))

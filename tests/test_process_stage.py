@@ -741,3 +741,24 @@ def test_over_asking_for_gpus_stops_before_any_shard(tmp_path, coco_raw, tiny_cl
     with pytest.raises(ConfigError, match=r"process\.clip\.num_gpus 1 = 1 GPUs"):
         run_process(cfg, RunOptions())
     assert not list((out / "shards").glob("*.tar"))
+
+
+def test_build_checks_stage_three_gpus_before_downloading(tmp_path, tiny_clip):
+    """`pairforge build` asks stage 3's GPU question before stage 1 fetches a byte: an
+    over-asking config exits 2 with the key named and no raw shard written."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    (tmp_path / "in.csv").write_text("url,caption\nhttp://127.0.0.1:9/a.jpg,a photo\n")
+    cfg = _config(tmp_path / "out", tiny_clip, num_gpus=1)
+    cfg["input"]["path"] = str(tmp_path / "in.csv")
+    cfg["download"] = {"allow_addresses": ["127.0.0.1/32"]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    result = subprocess.run([sys.executable, "-m", "pairforge.cli", "build",
+                             str(tmp_path / "c.yaml"), "-q"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "process.clip.num_gpus 1" in result.stderr
+    assert not list((tmp_path / "out").rglob("*.tar"))

@@ -93,6 +93,13 @@ def _cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0))
 
 
+def check_process_placement(cfg: PairforgeConfig) -> None:
+    """Stage 3's pools against the cluster's GPUs, for ``build`` to ask before stage 1:
+    an over-asking config stops before hours of downloading, not after them."""
+    init_ray(cfg.ray)
+    check_gpu_demand(enabled_steps(cfg), cfg, _cluster_gpus())
+
+
 def _step_line(step: type[Step], cfg: PairforgeConfig) -> str:
     """A step as the start-up line names it: the model and the actors that load it."""
     if not issubclass(step, ModelStep):
