@@ -137,3 +137,50 @@ def s3_cluster_build(ray_cluster: LocalCluster, s3_server: MotoServer,
             "seconds": seconds, "job": job,
             "tasks": [t for t in placement["tasks"] if t["job"] == job],
             "actors": [a for a in placement["actors"] if a["job"] == job]}
+
+
+# `make test-fast` (issue 51): the suite without the tests marked slow, cluster or e2e, for
+# a first signal in under 3 minutes on 2 cores; `make test` runs every test whatever its
+# marks. The marks are given here, by file or node id (a parametrized test's every case),
+# so that one list says what the fast loop leaves out and no test file changes for it.
+# Chosen from `--durations` timings: a test that builds through the stages on Ray, starts
+# a cluster, a Serve app or a trainer, or takes seconds on its own, is out.
+FAST_LOOP_LEAVES_OUT: dict[str, tuple[str, ...]] = {
+    "cluster": (  # a multi-node Ray cluster (tests/cluster_utils.py)
+        "tests/test_cluster.py", "tests/test_dedup_distributed.py",
+        "tests/test_semantic_distributed.py"),
+    "e2e": (  # stages, builds, Serve or training end to end (local Ray or subprocesses)
+        "tests/test_ablation.py", "tests/test_append.py", "tests/test_build.py",
+        "tests/test_classifiers.py", "tests/test_dedup.py", "tests/test_download_stage.py",
+        "tests/test_golden.py", "tests/test_hostile_input.py", "tests/test_lists.py",
+        "tests/test_process_stage.py", "tests/test_ray_private.py", "tests/test_recaption.py",
+        "tests/test_recaption_cache_index.py", "tests/test_report.py", "tests/test_reruns.py",
+        "tests/test_retry_failed.py", "tests/test_robots.py", "tests/test_semantic_dedup.py",
+        "tests/test_serve.py", "tests/test_serve_hostile.py", "tests/test_train_run.py",
+        "tests/test_failure_breakdown.py::test_inspect_and_report_show_the_top_hosts_with_statuses",
+        "tests/test_preflight.py::test_build_stops_before_downloading_anything",
+        "tests/test_recaption_first.py::test_a_recaptioning_build_keeps_every_image_whose_alt_text_is_junk",
+        "tests/test_recaption_first.py::test_best_of_two_prompts_and_the_alt_text_through_a_build",
+        "tests/test_recaption_first.py::test_without_recaption_junk_alt_text_ends_rows_as_before"),
+    "slow": (  # seconds each on their own
+        "tests/test_scenes_models.py::test_judge_reads_vq_reconstructions_of_heldout_scenes",
+        "tests/test_preflight.py::test_a_repo_the_lookup_finds_is_one_transformers_loads_offline"),
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cluster: starts a multi-node Ray cluster (left out "
+                            "by make test-fast; .ci/run runs it)")
+    config.addinivalue_line("markers", "e2e: runs stages, builds, Serve or training end to "
+                            "end (left out by make test-fast; .ci/run runs it)")
+
+
+def _named(nodeid: str, entry: str) -> bool:
+    return nodeid == entry or nodeid.startswith((f"{entry}::", f"{entry}["))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for mark, entries in FAST_LOOP_LEAVES_OUT.items():
+            if any(_named(item.nodeid, entry) for entry in entries):
+                item.add_marker(getattr(pytest.mark, mark))

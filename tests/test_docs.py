@@ -2,7 +2,8 @@
 generated reference pages (docs/gen_reference.py) are what the code gives now, the site's
 navigation names every page, every relative link and anchor in the docs and README.md
 resolves, the train config reference shows the real defaults, and README.md stays a door
-(at most 200 lines, the two commands, links into the site)."""
+(at most 200 lines, the two commands, links into the site). Also: the list of tests that
+`make test-fast` leaves out (tests/conftest.py) names tests that exist."""
 
 from __future__ import annotations
 
@@ -124,9 +125,8 @@ def test_every_relative_link_and_anchor_resolves(document: Path) -> None:
             continue
         path, _, anchor = target.partition("#")
         resolved = (document.parent / path).resolve() if path else document
-        if not resolved.exists():
-            broken.append(target)
-        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+        if not resolved.exists() or (anchor and resolved.suffix == ".md"
+                                     and anchor not in _anchors(resolved)):
             broken.append(target)
     assert broken == []
 
@@ -162,3 +162,20 @@ def test_readme_is_a_door_into_the_site() -> None:
     assert {"docs/guides/cluster.md", "docs/getting-started.md",
             "docs/reference/config.md"} <= linked
     assert "real-models.md" in (DOCS / "guides" / "cluster.md").read_text()
+
+
+def test_the_fast_loop_leaves_out_only_tests_that_exist() -> None:
+    """`make test-fast`'s list (tests/conftest.py) names files and tests that exist, so a
+    renamed test cannot slip into the fast loop unnoticed."""
+    from conftest import FAST_LOOP_LEAVES_OUT
+
+    missing = []
+    for entries in FAST_LOOP_LEAVES_OUT.values():
+        for entry in entries:
+            path, _, name = entry.partition("::")
+            source = ROOT / path
+            if not source.is_file() or (name and f"def {name}(" not in source.read_text()):
+                missing.append(entry)
+    assert missing == []
+    makefile = (ROOT / "Makefile").read_text()
+    assert all(f"not {mark}" in makefile for mark in FAST_LOOP_LEAVES_OUT)
