@@ -40,8 +40,10 @@ def layer_of(module: str) -> str:
     raise AssertionError(f"{module}: a new top-level module needs a layer in ARCHITECTURE.md")
 
 
-# The one Ray object a domain package owns: the build's caption claim registry.
-RAY_OUTSIDE_PIPELINE = {"pairforge.recaption.claims", "pairforge.recaption.step"}
+# The Ray objects a domain package owns: the build's caption claim registry, and stage
+# 1's host coordinators (named actors the shard tasks make and find by the run's id).
+RAY_OUTSIDE_PIPELINE = {"pairforge.recaption.claims", "pairforge.recaption.step",
+                        "pairforge.download.host_actors"}
 
 
 def _type_checking_only(tree: ast.AST) -> set[ast.AST]:

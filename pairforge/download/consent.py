@@ -18,11 +18,15 @@ every image request:
   unreadable file means no reservation. (The ``tdm-reservation`` response header is the
   fetcher's.)
 
-Each file is fetched once per origin (scheme, host, port) and node for a run, through a
+Each file is fetched once per origin (scheme, host, port) for a run, through a
 ``Fetcher`` of its own (the address guard, redirects up to ``download.max_redirects``,
-each hop vetted, another host allowed), and cached for 24 hours at most (RFC 9309 2.4):
-in memory for the task's threads, and as a file in the node's temporary folder, written
-atomically under a per-origin lock, for the run's other tasks on that node.
+each hop vetted, another host allowed), and cached for 24 hours at most (RFC 9309 2.4),
+in three tiers: in memory for the task's threads; in the run's host coordinator of that
+host (``download/host_coordinator.py``'s ``FileStore``: the first task to ask fetches,
+the run's other tasks on every node wait for its answer); and as a file in the node's
+temporary folder, written atomically under a per-origin lock, behind the coordinator
+(a task run on its own, an origin the coordinator's bounded store dropped, or a
+coordinator that does not answer: then it is fetched once per node, as before issue 52).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -46,8 +51,12 @@ from protego import Protego
 
 from pairforge.config import DownloadConfig
 from pairforge.download.fetch import Fetcher, FetchResult, Origin
+from pairforge.download.host_coordinator import FILE_CLAIM_S, shard_of
+from pairforge.download.host_leases import CoordinatorLink
 from pairforge.download.tdmrep import WELL_KNOWN_PATH, TdmRule, parse_tdmrep, reservation_for
 from pairforge.records import Status
+
+log = logging.getLogger(__name__)
 
 ROBOTS_PATH = "/robots.txt"
 FILE_MAX_BYTES = 500 * 1024  # Google parses the first 500 KiB of a robots.txt
@@ -101,18 +110,41 @@ class HostFile:
 
 
 class FileCache:
-    """An origin's files, fetched once per ``ttl`` on this node: a JSON file per origin and
-    path, written atomically; a lock file per entry makes the node's other tasks wait for
-    the one fetching it instead of fetching it again."""
+    """An origin's files, fetched once per ``ttl`` for the run: asked of the host's
+    coordinator first (``link``, when the task has one), then of this node: a JSON file
+    per origin and path, written atomically; a lock file per entry makes the node's other
+    tasks wait for the one fetching it instead of fetching it again."""
 
-    def __init__(self, folder: Path, fetch: Callable[[str], FetchResult], ttl: float) -> None:
+    def __init__(self, folder: Path, fetch: Callable[[str], FetchResult], ttl: float,
+                 link: CoordinatorLink | None = None) -> None:
         self.folder = folder
         self.fetch = fetch
         self.ttl = ttl
+        self.link = link
         self.fetched: Counter[str] = Counter()  # fetches this process made, by path
         folder.mkdir(parents=True, exist_ok=True)
 
     def get(self, origin: Origin, path: str) -> HostFile:
+        if self.link is None:
+            return self._on_node(origin, path)
+        key, shard = origin_url(origin) + path, shard_of(origin[1], self.link.shards)
+        waited_until = time.monotonic() + FILE_CLAIM_S
+        try:
+            while True:
+                state, entry = self.link.get_file(shard, key, self.ttl)
+                if state == "hit" and entry is not None:
+                    return HostFile(**entry)
+                if state == "fetch" or time.monotonic() > waited_until:
+                    found = self._on_node(origin, path)
+                    self.link.put_file(shard, key, found.__dict__)
+                    return found
+                time.sleep(0.05)  # another task fetches it: its answer comes soon
+        except Exception as err:  # noqa: BLE001 - a coordinator lost: this node's cache
+            log.warning("host coordinator of %s did not answer for %s (%s): read through "
+                        "this node's cache", origin_url(origin), path, err)
+            return self._on_node(origin, path)
+
+    def _on_node(self, origin: Origin, path: str) -> HostFile:
         name = _entry_name(origin, path)
         with _file_lock(self.folder / f"{name}.lock"):
             entry = self._read(self.folder / f"{name}.json")
@@ -162,14 +194,15 @@ class _OriginRules:
 class ConsentGate:
     """robots.txt and tdmrep.json per origin; see the module docstring."""
 
-    def __init__(self, cfg: DownloadConfig, folder: Path, ttl: float = CACHE_TTL) -> None:
+    def __init__(self, cfg: DownloadConfig, folder: Path, ttl: float = CACHE_TTL,
+                 link: CoordinatorLink | None = None) -> None:
         self.cfg = cfg
         self.token = cfg.agent_token
         file_cfg = cfg.model_copy(update={"max_bytes": FILE_MAX_BYTES, "respect_robots": False,
                                           "tdm": False})
         self.fetcher = Fetcher(file_cfg, truncate=True,
                                accept="text/plain, application/json;q=0.9, */*;q=0.5")
-        self.files = FileCache(folder, self.fetcher.fetch, ttl)
+        self.files = FileCache(folder, self.fetcher.fetch, ttl, link)
         self.ttl = ttl
         self._origins: dict[Origin, _OriginRules] = {}
         self._locks: dict[Origin, threading.Lock] = {}
@@ -280,12 +313,15 @@ def _path_of(url: str) -> str:
     return (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
 
-def make_gate(cfg: DownloadConfig, run_id: str | None) -> ConsentGate | None:
+def make_gate(cfg: DownloadConfig, run_id: str | None,
+              link: CoordinatorLink | None = None) -> ConsentGate | None:
     """The gate of a shard task, or None when robots.txt and TDM are both off. Without a
-    ``run_id`` (a task run on its own) the files are this process's own."""
+    ``run_id`` (a task run on its own) the files are this process's own; ``link``: the
+    run's host coordinators, which share the files across nodes."""
     if not (cfg.robots_txt or cfg.tdm):
         return None
-    return ConsentGate(cfg, cache_dir(run_id or f"pid{os.getpid()}-{time.time_ns()}"))
+    return ConsentGate(cfg, cache_dir(run_id or f"pid{os.getpid()}-{time.time_ns()}"),
+                       link=link)
 
 
 def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -8,8 +8,10 @@ One ``Fetcher`` is shared by the fetch threads of a shard task. It differs from 
 * idle connections are pooled per (scheme, host, port) and reused across calls and
   threads (HTTP/1.1 keep-alive), which saves a TCP (and TLS) handshake per image;
 * at most ``per_host_connections`` requests are in flight per host, at most
-  ``per_host_requests_per_s`` start per second, retries back off with jitter, and a host
-  that keeps failing is paused, then given up (``download/politeness.py``);
+  ``per_host_requests_per_s`` start per second (in a stage-1 run on Ray, for the whole
+  run: the fetcher's ``HostPolicy`` holds leases of its hosts), retries back off with
+  jitter, and a host that keeps failing is paused, then given up
+  (``download/politeness.py``);
 * ``timeout`` is a deadline for a whole request (connect, headers and body of one try of
   one hop), enforced on every socket read, so a server that trickles bytes cannot hold a
   thread for longer; DNS lookups are the system resolver's and not covered;
@@ -44,8 +46,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -399,13 +400,15 @@ class Fetcher:
     """Thread-safe HTTP(S) downloader; see the module docstring for what it guarantees.
 
     ``gate``: consent and pacing per origin (none: every URL may be fetched at once);
+    ``hosts``: the per-host politeness it applies (default: the per-task rule, its own);
     ``truncate``: a body over ``max_bytes`` is cut there instead of failing TOO_LARGE
     (robots.txt: its first 500 KiB are parsed); ``accept``: the Accept header.
     """
 
     def __init__(self, cfg: DownloadConfig, *, ssl_context: ssl.SSLContext | None = None,
                  max_idle_connections: int = 256, gate: RequestGate | None = None,
-                 truncate: bool = False, accept: str = IMAGE_ACCEPT) -> None:
+                 hosts: HostPolicy | None = None, truncate: bool = False,
+                 accept: str = IMAGE_ACCEPT) -> None:
         self.cfg = cfg
         self.gate = gate
         self.truncate = truncate
@@ -415,9 +418,7 @@ class Fetcher:
         self._ssl_context = ssl_context
         self._ssl_lock = threading.Lock()
         self._pool = _ConnectionPool(cfg.per_host_connections, max_idle_connections)
-        self._host_slots: dict[str, threading.BoundedSemaphore] = {}
-        self.hosts = HostPolicy(cfg)
-        self._slots_lock = threading.Lock()
+        self.hosts = hosts if hosts is not None else HostPolicy(cfg)
         self._agents = [AGENT_NAME, cfg.agent_token]
         self._headers = {"User-Agent": cfg.user_agent, "Accept": accept}
 
@@ -433,8 +434,10 @@ class Fetcher:
             return FetchResult(Status.DOWNLOAD_ERROR, _short(f"unexpected {_describe(err)}"))
 
     def close(self) -> None:
-        """Close idle connections; in-flight requests finish and close theirs."""
+        """Close idle connections (in-flight requests finish and close theirs) and give
+        the hosts' leases back."""
         self._pool.close()
+        self.hosts.close()
 
     def __enter__(self) -> Fetcher:
         return self
@@ -562,19 +565,9 @@ class Fetcher:
             raise failure
         return failure.retry_after
 
-    @contextmanager
-    def _host_slot(self, host: str) -> Iterator[None]:
-        with self._slots_lock:
-            slot = self._host_slots.get(host)
-            if slot is None:
-                slot = threading.BoundedSemaphore(self.cfg.per_host_connections)
-                self._host_slots[host] = slot
-        with slot:
-            yield
-
     def _attempt(self, target: _Target) -> FetchResult | _Redirect:
         """One request/response exchange, holding one of the host's slots throughout."""
-        with self._host_slot(target.host):
+        with self.hosts.slot(target.host):
             self.hosts.take_token(target.host)
             if self.gate:
                 self.gate.pace(target.key)  # inside the slot: the spacing holds on the wire

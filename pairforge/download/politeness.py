@@ -1,14 +1,22 @@
-"""Per-host politeness of one fetcher (one shard task): a request-rate cap, jittered
+"""Per-host politeness of stage 1: a request-rate cap, a connection budget, jittered
 backoff and a circuit breaker, with their counts per host.
+
+In a stage-1 run on Ray these hold **per host for the whole run**: every shard task on
+every node takes leases of its hosts from the run's host coordinators
+(``download/host_coordinator.py``, ``host_leases.py``, ``host_actors.py``), which divide
+each host's rate and connections among the tasks holding its rows and keep one breaker
+per host. A ``HostPolicy`` without coordinators (a task run on its own, the service's
+URL fetches), and a task whose coordinator stopped answering (until it answers again;
+the log says so), applies the same settings to itself alone: the **per-task rule**.
 
 * **Rate cap** (``download.per_host_requests_per_s``, ``download.per_host_burst``): a token
   bucket per host; every request takes a token, retries and redirect hops included, and
-  waits for one when the bucket is empty. It sits beside the connection cap
-  (``per_host_connections``) and robots.txt's Crawl-delay (``download/consent.py``, shared
-  by a node's tasks): a request waits for all three. The bucket is the task's own, so
-  ``processes`` tasks fetching one host at once may together reach ``processes`` times the
-  rate; set the rate per task accordingly (the shards of a run are planned in input
-  order, so a host's rows mostly fall in one or few shards).
+  waits for one when the bucket is empty. Under a lease the bucket fills at the task's
+  share of the rate and holds its share of the burst (at least one request), so the
+  tasks together stay within the rate; a waiting request re-reads the share, so a share
+  that shrinks applies at once. It sits beside the connection budget
+  (``per_host_connections``, divided the same way in whole connections) and robots.txt's
+  Crawl-delay (``download/consent.py``, kept per node): a request waits for all three.
 * **Backoff** on 429/5xx and refused or cut connections without Retry-After: "full
   jitter", a uniform delay in [0, ``backoff`` x 2^attempt] (``pairforge/backoff.py``, the
   one backoff rule), so the threads and tasks that failed together do not come back
@@ -17,11 +25,14 @@ backoff and a circuit breaker, with their counts per host.
   ``download.host_max_pauses``): after ``host_failures`` rows in a row of one host end in a
   transient failure (timeout, connection, 429, 5xx), the host is paused for
   ``host_pause_s``. Rows of a paused host wait for the pause to end; then one of them
-  probes the host (the others wait for its answer): a success closes the breaker, a
-  transient failure opens it again for twice as long. After ``host_max_pauses`` openings
-  the host is given up for the rest of the task: its remaining rows end ``host_paused``
-  without a request, as do the rows that were waiting. Everything else (404, an opt-out,
-  a body that is not an image) shows the host is up and resets its count.
+  probes the host (the task's other rows wait for its answer): a success closes the
+  breaker, a transient failure opens it again for twice as long. After
+  ``host_max_pauses`` openings the host is given up: its remaining rows end
+  ``host_paused`` without a request, as do the rows that were waiting. Everything else
+  (404, an opt-out, a body that is not an image) shows the host is up and resets its
+  count. Under leases the failures of all tasks add up, an opening made by one task
+  pauses the host for all within half a lease, and each opening is counted once in the
+  stats (``breaker_opened``, ``paused_ms``: by the task whose report made it).
 """
 
 from __future__ import annotations
@@ -29,9 +40,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, defaultdict
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 from pairforge.config import DownloadConfig
+from pairforge.download.host_leases import FALLBACK, CoordinatorLink, HostLeases
 from pairforge.records import Status
 
 
@@ -60,39 +74,103 @@ class _Breaker:
         self.given_up = False
 
 
-class HostPolicy:
-    """The rate cap and circuit breaker of one fetcher's hosts; thread-safe."""
+class _Limits(NamedTuple):
+    rate: float | None
+    burst: float  # what the bucket may hold
+    start: float  # what a new bucket holds
+    connections: int
 
-    def __init__(self, cfg: DownloadConfig) -> None:
+
+class HostPolicy:
+    """The rate cap, connection budget and circuit breaker of one fetcher's hosts;
+    thread-safe. ``link``: the run's host coordinators (None: the per-task rule)."""
+
+    def __init__(self, cfg: DownloadConfig, link: CoordinatorLink | None = None) -> None:
         self.rate = cfg.per_host_requests_per_s
         self.burst = float(cfg.per_host_burst)
+        self.connections = cfg.per_host_connections
         self.failures = cfg.host_failures
         self.pause_s = cfg.host_pause_s
         self.max_pauses = cfg.host_max_pauses
+        self._own = _Limits(self.rate, self.burst, self.burst, self.connections)
         self._tokens: dict[str, tuple[float, float]] = {}  # host: (tokens, at)
+        self._in_use: Counter[str] = Counter()  # requests in flight per host
         self._breakers: dict[str, _Breaker] = defaultdict(_Breaker)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self.counts: dict[str, Counter[str]] = defaultdict(Counter)
+        self.leases = (HostLeases(link, self._changed, self._granted, self._fell_back)
+                       if link is not None else None)
+
+    def close(self) -> None:
+        """Give the leases back (a no-op under the per-task rule)."""
+        if self.leases is not None:
+            self.leases.close()
+
+    def _limits(self, host: str) -> _Limits | None:
+        """The host's limits for this task now; None: wait for its first grant."""
+        if self.leases is None:
+            return self._own
+        grant = self.leases.current(host)
+        if grant is FALLBACK:
+            return self._own
+        if grant is None:
+            return None
+        assert isinstance(grant, dict)
+        share = grant["burst"]
+        return _Limits(grant["rate"], max(1.0, share), share, grant["connections"])
 
     # the rate cap ---------------------------------------------------------------------
 
     def take_token(self, host: str) -> None:
-        """Wait until ``host``'s bucket holds a token, and take it."""
+        """Wait until ``host``'s bucket holds a token, and take it. The wait re-reads the
+        host's share each time round: a share that shrank applies to waiting requests."""
         if self.rate is None:
             return
-        with self._lock:
-            now = time.monotonic()
-            tokens, at = self._tokens.get(host, (self.burst, now))
-            tokens = min(self.burst, tokens + (now - at) * self.rate) - 1.0
-            self._tokens[host] = (tokens, now)
-            # a negative balance is this request's place in the queue: it waits its turn
-            wait = -tokens / self.rate if tokens < 0 else 0.0
-            if wait:
+        started, waited = time.monotonic(), False
+        with self._changed:
+            while True:
+                limits = self._limits(host)
+                now = time.monotonic()
+                if limits is None:
+                    self._changed.wait(0.1)
+                    waited = True
+                    continue
+                rate = limits.rate or 0.0
+                tokens, at = self._tokens.get(host, (limits.start, now))
+                tokens = min(limits.burst, tokens + (now - at) * rate)
+                if tokens >= 1.0:
+                    self._tokens[host] = (tokens - 1.0, now)
+                    break
+                self._tokens[host] = (tokens, now)
+                self._changed.wait(min((1.0 - tokens) / rate, 0.1) if rate > 0 else 0.1)
+                waited = True
+            if waited:
                 self.counts[host]["throttled"] += 1
-                self.counts[host]["throttled_ms"] += round(wait * 1000)
-        if wait:
-            time.sleep(wait)
+                self.counts[host]["throttled_ms"] += round((now - started) * 1000)
+
+    # the connection budget ------------------------------------------------------------
+
+    @contextmanager
+    def slot(self, host: str) -> Iterator[None]:
+        """Hold one of ``host``'s connections for this task while the block runs."""
+        with self._changed:
+            while True:
+                limits = self._limits(host)
+                if limits is not None and self._in_use[host] < limits.connections:
+                    break
+                self._changed.wait(0.1)
+            self._in_use[host] += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._in_use[host] -= 1
+                if not self._in_use[host]:
+                    del self._in_use[host]
+                if self.leases is not None:
+                    self.leases.current(host)  # in use until now: the lease is kept
+                self._changed.notify_all()
 
     # the breaker ----------------------------------------------------------------------
 
@@ -103,6 +181,8 @@ class HostPolicy:
         if self.failures is None:
             return False
         with self._changed:
+            while self.leases is not None and self._limits(host) is None:
+                self._changed.wait(0.1)  # the first grant says whether others opened it
             breaker = self._breakers[host]
             while True:
                 if breaker.given_up:
@@ -125,6 +205,8 @@ class HostPolicy:
             return
         with self._changed:
             breaker = self._breakers[host]
+            if self.leases is not None:
+                self.leases.report(host, transient)
             if probe:
                 breaker.probing = False
             if not transient:
@@ -138,13 +220,40 @@ class HostPolicy:
 
     def _open(self, host: str, breaker: _Breaker) -> None:
         breaker.opened += 1
-        self.counts[host]["breaker_opened"] += 1
+        shared = self.leases is not None and self.leases.current(host) is not FALLBACK
+        if shared:
+            assert self.leases is not None
+            self.leases.opened(host, breaker.opened)  # counted where the coordinator says
+        else:
+            self.counts[host]["breaker_opened"] += 1
         if breaker.opened > self.max_pauses:
             breaker.given_up = True
             return
         pause = self.pause_s * 2 ** (breaker.opened - 1)
         breaker.paused_until = time.monotonic() + pause
-        self.counts[host]["paused_ms"] += round(pause * 1000)
+        if not shared:
+            self.counts[host]["paused_ms"] += round(pause * 1000)
+
+    def _granted(self, host: str, grant: dict[str, Any], now: float) -> None:
+        """A coordinator's grant (under the lock): take its breaker, count its opening."""
+        if self.failures is None:
+            return
+        if grant["counted"]:
+            self.counts[host]["breaker_opened"] += 1
+            if not grant["given_up"]:
+                self.counts[host]["paused_ms"] += round(
+                    self.pause_s * 2 ** (grant["opened"] - 1) * 1000)
+        breaker = self._breakers[host]
+        if grant["given_up"]:
+            breaker.given_up = True
+        elif grant["opened"] >= breaker.opened and grant["pause_left"] > 0:
+            if grant["opened"] > breaker.opened:  # another task's rows opened it
+                breaker.opened = grant["opened"]
+                breaker.failures = max(breaker.failures, self.failures)  # then a probe
+            breaker.paused_until = max(breaker.paused_until, now + grant["pause_left"])
+
+    def _fell_back(self, host: str) -> None:
+        self.counts[host]["coordinator_fallback"] += 1
 
     def count(self, host: str, event: str) -> None:
         with self._lock:
@@ -152,7 +261,8 @@ class HostPolicy:
 
     def stats(self) -> dict[str, Any]:
         """Per host with any event: its counts (throttled requests and their wait,
-        backoffs, breaker openings, pause time, rows ended host_paused)."""
+        backoffs, breaker openings, pause time, rows ended host_paused, falls back to
+        the per-task rule)."""
         with self._lock:
             return {host: dict(sorted(c.items())) for host, c in sorted(self.counts.items())
                     if c}

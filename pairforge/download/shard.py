@@ -28,10 +28,12 @@ from pairforge.config import DownloadConfig, InputConfig, OutputConfig
 from pairforge.download.alt_text import invalid_error, read_alt_text
 from pairforge.download.consent import make_gate
 from pairforge.download.fetch import Fetcher, FetchResult
+from pairforge.download.host_actors import run_link
 from pairforge.download.imageproc import ImageFailure, ProcessedImage, process_image
 from pairforge.download.inputs import InputShard, read_shard_rows
 from pairforge.download.lists import Lists
 from pairforge.download.memory_guard import GuardedRows, MemoryGuard
+from pairforge.download.politeness import HostPolicy
 from pairforge.machine import usable_cores
 from pairforge.records import Status, index_digits, json_safe, make_key
 from pairforge.shards.failures import SHARD_TOP, HostFailures, host_of
@@ -176,8 +178,9 @@ def download_shard(shard: InputShard, cfg: ShardConfig, settings: dict[str, Any]
     ``shards.raw.merge_parts``. ``settings``: the run's settings record, written into the
     stats so that reruns know what made the shard (the runner computes it once);
     ``lists``: the run's opt-out and block lists (``download/lists.py``), loaded once;
-    ``run_id``: names the node's cache of robots.txt and tdmrep.json files that the run's
-    tasks share (``download/consent.py``)."""
+    ``run_id``: names the run's host coordinators (``download/host_actors.py``) and the
+    node's cache of robots.txt and tdmrep.json files that the run's tasks share
+    (``download/consent.py``)."""
     started = time.time()
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
     out.makedirs(RAW_FOLDER)
@@ -185,8 +188,11 @@ def download_shard(shard: InputShard, cfg: ShardConfig, settings: dict[str, Any]
     digits = index_digits(cfg.input.shard_size)
     for i, row in enumerate(rows, start=shard.first_row):
         row["key"] = make_key(shard.shard_id, i, digits)
-    gate = make_gate(cfg.download, run_id)
-    fetcher = Fetcher(cfg.download, gate=gate)
+    # the run's host coordinators: one rate, connection budget, breaker and robots.txt
+    # per host for every task (none needed when no row is fetched over the network)
+    link = run_link(cfg.download, run_id) if any(r["source"] is None for r in rows) else None
+    gate = make_gate(cfg.download, run_id, link)
+    fetcher = Fetcher(cfg.download, gate=gate, hosts=HostPolicy(cfg.download, link))
     guard = MemoryGuard(cfg.download.max_task_memory_mb,
                         GuardedRows(out, shard.shard_id, settings))
     worker = ShardDownloader(cfg, fetcher, read_tar_members(

@@ -1,0 +1,177 @@
+"""The run's host coordinators as named Ray actors, and a shard task's link to them.
+
+A stage-1 run has ``coordinator_count`` coordinators, named ``pairforge-hosts-<run id>-<k>``
+in the ``pairforge-hosts`` namespace, so two runs never share one. The first shard task
+of the run that asks makes them (``get_if_exists``: the others find them); coordinator 0
+says how many there are, so every task hashes a host to the same one. Each is a
+zero-CPU, single-threaded actor holding a ``HostBook`` and a ``FileStore``
+(``download/host_coordinator.py``): per-host state for hosts with live leases only, and
+a byte-bounded cache of the origins' robots.txt and tdmrep.json.
+
+They are detached (a task's worker, their maker, may end before the run) and restarted by
+Ray when they die (``max_restarts=-1``: a killed actor or a lost node); a restarted one
+starts empty and the tasks take leases again, while the per-task rule covers the gap
+(``download/host_leases.py``). A coordinator that no call reached for ``IDLE_EXIT_S``
+ends itself: the run is over (or stopped), and nothing else removes detached actors.
+
+Ray stays here: the rest of ``download/`` sees only the ``CoordinatorLink`` protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from pairforge.config import DownloadConfig
+from pairforge.download.host_coordinator import FileStore, HostBook, Limits
+from pairforge.download.host_leases import CALL_TIMEOUT_S, Grant
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "pairforge-hosts"
+IDLE_EXIT_S = 120.0
+MAKE_TIMEOUT_S = 60.0  # the first call waits for the actor's process to start
+CPUS_PER_COORDINATOR = 64  # one coordinator per this many cluster CPUs, 1 to 8
+
+
+class HostCoordinator:
+    """One coordinator's state behind Ray calls (one at a time: ``max_concurrency`` 1)."""
+
+    def __init__(self, limits: Limits, shards: int) -> None:
+        self.book = HostBook(limits)
+        self.files = FileStore()
+        self.shards = shards
+        self.last_call = time.monotonic()
+        threading.Thread(target=self._exit_when_idle, daemon=True).start()
+
+    def shard_count(self) -> int:
+        self.last_call = time.monotonic()
+        return self.shards
+
+    def exchange(self, task: str, asks: list[dict[str, Any]]) -> list[Grant]:
+        self.last_call = time.monotonic()
+        return self.book.exchange(task, asks)
+
+    def get_file(self, key: str, ttl: float) -> tuple[str, dict[str, Any] | None]:
+        self.last_call = time.monotonic()
+        return self.files.get(key, ttl)
+
+    def put_file(self, key: str, entry: dict[str, Any]) -> None:
+        self.last_call = time.monotonic()
+        self.files.put(key, entry)
+
+    def held(self) -> dict[str, int]:
+        """What it holds: hosts, and files with their bytes (bounded, for tests)."""
+        return {"hosts": len(self.book.hosts), "file_bytes": self.files.bytes}
+
+    def _exit_when_idle(self) -> None:
+        import ray
+
+        while time.monotonic() - self.last_call < IDLE_EXIT_S:
+            time.sleep(min(10.0, IDLE_EXIT_S / 4))
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
+def coordinator_count() -> int:
+    """How many coordinators a run gets, from the cluster's CPUs when the run's first task
+    asks (a task's leases take about one call per coordinator per second)."""
+    import ray
+
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    return max(1, min(8, cpus // CPUS_PER_COORDINATOR + 1))
+
+
+class RayLink:
+    """A task's ``CoordinatorLink`` to the run's coordinators."""
+
+    def __init__(self, run_id: str, limits: Limits) -> None:
+        import ray
+
+        self.run_id = run_id
+        self.limits = limits
+        self._handles: dict[int, Any] = {}
+        self.shards = 1  # what _handle(0) needs, until coordinator 0 answers
+        self.shards = ray.get(self._handle(0).shard_count.remote(), timeout=MAKE_TIMEOUT_S)
+
+    def _handle(self, shard: int) -> Any:
+        import ray
+
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = ray.remote(HostCoordinator).options(
+                name=f"pairforge-hosts-{self.run_id}-{shard}", namespace=NAMESPACE,
+                lifetime="detached", get_if_exists=True, num_cpus=0, max_restarts=-1,
+                max_concurrency=1).remote(self.limits,
+                                          coordinator_count() if shard == 0 else self.shards)
+            self._handles[shard] = handle
+        return handle
+
+    def _forget(self, shard: int) -> None:
+        """After a failed call: look the actor up (or make it) again next time; a
+        restarted actor keeps its handle, one killed for good needs a new one."""
+        self._handles.pop(shard, None)
+
+    def exchange_all(self, task: str, asks: dict[int, list[dict[str, Any]]]
+                     ) -> dict[int, list[Grant] | BaseException]:
+        import ray
+
+        refs: dict[int, Any] = {}
+        results: dict[int, list[Grant] | BaseException] = {}
+        for shard, batch in asks.items():
+            try:
+                refs[shard] = self._handle(shard).exchange.remote(task, batch)
+            except Exception as err:  # noqa: BLE001 - not even made: the coordinator is lost
+                self._forget(shard)
+                results[shard] = err
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        for shard, ref in refs.items():
+            try:
+                results[shard] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as err:  # noqa: BLE001 - dead, restarting or too slow
+                self._forget(shard)
+                results[shard] = err
+        return results
+
+    def get_file(self, shard: int, key: str, ttl: float) -> tuple[str, dict[str, Any] | None]:
+        import ray
+
+        try:
+            return ray.get(self._handle(shard).get_file.remote(key, ttl),
+                           timeout=CALL_TIMEOUT_S)
+        except Exception:
+            self._forget(shard)
+            raise
+
+    def put_file(self, shard: int, key: str, entry: dict[str, Any]) -> None:
+        import ray
+
+        try:
+            ray.get(self._handle(shard).put_file.remote(key, entry), timeout=CALL_TIMEOUT_S)
+        except Exception:
+            self._forget(shard)
+            raise
+
+
+def run_link(cfg: DownloadConfig, run_id: str | None) -> RayLink | None:
+    """The link of a shard task running on Ray as part of run ``run_id``; None elsewhere
+    (no run, not in a Ray worker) or when the coordinators cannot be reached at the start
+    (the per-task rule then applies, as the log says)."""
+    if run_id is None:
+        return None
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized() or getattr(ray.get_runtime_context(), "worker",
+                                           None) is None:
+        return None
+    if ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+        return None  # the driver, or a test calling a task's function itself
+    try:
+        return RayLink(run_id, Limits.of(cfg))
+    except Exception as err:  # noqa: BLE001 - politeness must not stop the run
+        log.warning("host coordinators of run %s not reachable (%s): this task follows the "
+                    "per-task rule (download.per_host_* for itself alone)", run_id, err)
+        return None

@@ -1,0 +1,241 @@
+"""The run-wide state of a share of the hosts, without Ray: what a host coordinator holds.
+
+A stage-1 run has a few coordinators (``download/host_actors.py`` makes them Ray actors);
+each host belongs to one of them by a hash of its name (:func:`shard_of`). Shard tasks
+take **leases** from it: a share of the host's request rate and of its connections for
+``lease_s`` seconds, which the task renews in the background (``download/host_leases.py``)
+so that no request waits on a remote call. :class:`HostBook` is the arithmetic:
+
+* **Rate.** The host's ``per_host_requests_per_s`` is divided equally among the tasks
+  holding a live lease of it. A new holder is given only what the live leases leave
+  free, so the grants never add up to more than the rate; the holders' shares shrink to
+  the equal share as they renew (every half lease), and the rest goes to the newcomer at
+  its next ask. The burst is divided the same way.
+* **Connections.** ``per_host_connections`` is divided the same way in whole
+  connections, the remainder by a fixed order of the tasks; when there are more holders
+  than connections, the connections go to the holders served least recently, so they
+  rotate among the holders at each renewal.
+* **Breaker.** Holders report their rows' transient failures (and a success since the
+  last report); the book adds them up across tasks, so ``host_failures`` in a row of one
+  host open its breaker whichever tasks saw them. A task whose own count opened it
+  reports the opening with its number; the book records each number once (the grant says
+  to the one task it counted for), pauses the host for everyone (the pause's time left
+  goes out with every grant, so each holder learns of it at its next renewal: within
+  half a lease) and gives the host up after ``host_max_pauses`` openings.
+
+Bounded: a host's row lives while a lease of it is live, or, once its breaker opened,
+for ``BREAKER_KEEP_S`` after its last ask; the book holds no per-row data.
+:class:`FileStore` keeps the origins' robots.txt and tdmrep.json, fetched once for the
+run by the task the store asks to, in a byte-bounded LRU.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from pairforge.config import DownloadConfig
+
+LEASE_S = 2.0  # a lease's life; holders renew at half of it
+BREAKER_KEEP_S = 600.0  # how long a host whose breaker opened is kept after its last ask
+FILE_CLAIM_S = 60.0  # a claim to fetch an origin's file lapses after this (its task died)
+FILE_STORE_BYTES = 32 << 20  # the files a coordinator keeps, at most
+
+
+def shard_of(host: str, shards: int) -> int:
+    """The coordinator of ``host``: a hash every process of the run computes alike
+    (Python's own ``hash`` of a string differs between processes)."""
+    return zlib.crc32(host.encode("utf-8", "surrogatepass")) % shards
+
+
+@dataclass
+class _Holder:
+    rate: float = 0.0
+    connections: int = 0
+    expires: float = 0.0
+    served: float = float("-inf")  # when last given a connection: the rotation's order
+
+
+@dataclass
+class _Host:
+    holders: dict[str, _Holder] = field(default_factory=dict)
+    failures: int = 0  # transient failures in a row, all tasks together
+    opened: int = 0
+    paused_until: float = 0.0
+    given_up: bool = False
+    touched: float = 0.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a book divides: one host's run-wide settings (``DownloadConfig``'s)."""
+
+    rate: float | None
+    burst: float
+    connections: int
+    failures: int | None
+    pause_s: float
+    max_pauses: int
+
+    @classmethod
+    def of(cls, cfg: DownloadConfig) -> Limits:
+        return cls(cfg.per_host_requests_per_s, float(cfg.per_host_burst),
+                   cfg.per_host_connections, cfg.host_failures, cfg.host_pause_s,
+                   cfg.host_max_pauses)
+
+
+class HostBook:
+    """One coordinator's hosts: leases, shares and breakers; see the module docstring.
+    ``clock``: seconds, the coordinator's own (grants carry durations, never times)."""
+
+    def __init__(self, limits: Limits, lease_s: float = LEASE_S, clock=time.monotonic) -> None:
+        self.limits = limits
+        self.lease_s = lease_s
+        self.clock = clock
+        self.hosts: dict[str, _Host] = {}
+
+    def exchange(self, task: str, asks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Answer one task's asks (each: ``host``; ``release``: it is done with the host;
+        ``failures``: transient failures since its last report, ``success``: a row that
+        was not, before them; ``opened``: the number of a breaker opening its own count
+        made) with a grant per host still held."""
+        now = self.clock()
+        self._expire(now)
+        grants = []
+        for ask in asks:
+            host = self.hosts.setdefault(ask["host"], _Host())
+            host.touched = now
+            if ask.get("release"):
+                host.holders.pop(task, None)
+                continue
+            counted = self._breaker(host, ask, now)
+            holder = host.holders.setdefault(task, _Holder())
+            self._share(host, task, holder, now)
+            grants.append(self._grant(ask["host"], host, holder, counted, now))
+        return grants
+
+    # shares ---------------------------------------------------------------------------
+
+    def _share(self, host: _Host, task: str, holder: _Holder, now: float) -> None:
+        limits, others = self.limits, [h for t, h in host.holders.items() if t != task]
+        holder.expires = now + self.lease_s
+        n = len(others) + 1
+        if limits.rate is not None:
+            free = limits.rate - sum(h.rate for h in others)
+            holder.rate = max(0.0, min(limits.rate / n, free))
+        # whole connections: C // n each and the rest by a fixed order of the tasks; with
+        # more holders than connections, to the holders served least recently instead
+        rotate = n > limits.connections
+        ranked = sorted(host.holders.items(),
+                        key=lambda item: (item[1].served if rotate else 0.0, item[0]))
+        rank = next(i for i, (t, _) in enumerate(ranked) if t == task)
+        fair = limits.connections // n + (1 if rank < limits.connections % n else 0)
+        free_connections = limits.connections - sum(h.connections for h in others)
+        holder.connections = max(0, min(fair, free_connections))
+        if holder.connections:
+            holder.served = now
+
+    def _expire(self, now: float) -> None:
+        for name in list(self.hosts):
+            host = self.hosts[name]
+            for task in [t for t, h in host.holders.items() if h.expires <= now]:
+                del host.holders[task]
+            if host.holders:
+                continue
+            # a breaker that opened is kept a while: the next pause doubles, and a host
+            # given up stays given up for the tasks that come later
+            if not host.opened or now - host.touched > BREAKER_KEEP_S:
+                del self.hosts[name]
+
+    # the breaker ----------------------------------------------------------------------
+
+    def _breaker(self, host: _Host, ask: dict[str, Any], now: float) -> bool:
+        """Take a task's report into ``host``'s breaker; True when an opening it made was
+        counted here (for that task's stats)."""
+        threshold = self.limits.failures
+        if threshold is None or host.given_up:
+            return False
+        opened = ask.get("opened")
+        if opened is not None:
+            if opened <= host.opened:
+                return False  # another task's report opened it already: counted once
+            host.opened = opened - 1  # the task's number: a restarted coordinator's is 0
+            self._open(host, now)
+            return True
+        if ask.get("success"):
+            host.failures = 0
+        host.failures += ask.get("failures", 0)
+        if host.failures >= threshold and host.paused_until <= now:
+            self._open(host, now)
+            return True
+        return False
+
+    def _open(self, host: _Host, now: float) -> None:
+        host.opened += 1
+        host.failures = 0
+        if host.opened > self.limits.max_pauses:
+            host.given_up = True
+            return
+        host.paused_until = now + self.pause_of(host.opened)
+
+    def pause_of(self, opened: int) -> float:
+        """The pause of a breaker's ``opened``-th opening (doubled each time)."""
+        return self.limits.pause_s * 2 ** (opened - 1)
+
+    def _grant(self, name: str, host: _Host, holder: _Holder, counted: bool,
+               now: float) -> dict[str, Any]:
+        return {"host": name, "rate": holder.rate if self.limits.rate is not None else None,
+                "burst": (self.limits.burst * holder.rate / self.limits.rate
+                          if self.limits.rate else self.limits.burst),
+                "connections": holder.connections, "lease_s": self.lease_s,
+                "opened": host.opened, "pause_left": max(0.0, host.paused_until - now),
+                "given_up": host.given_up, "counted": counted}
+
+
+class FileStore:
+    """Origins' files for the run, by key (origin URL and path): the first task to ask is
+    told to fetch (a claim, lapsing after ``claim_s``), the others to wait, and once put
+    every task gets the entry. At most ``max_bytes`` of entries, least recently used
+    dropped first (a dropped origin is fetched again: the nodes' own caches are behind
+    this one). Entries are plain dicts (``consent.HostFile``'s fields)."""
+
+    def __init__(self, max_bytes: int = FILE_STORE_BYTES, claim_s: float = FILE_CLAIM_S,
+                 clock=time.monotonic) -> None:
+        self.max_bytes = max_bytes
+        self.claim_s = claim_s
+        self.clock = clock
+        self._entries: OrderedDict[str, tuple[dict[str, Any], int]] = OrderedDict()
+        self._claims: dict[str, float] = {}  # key: until
+        self.bytes = 0
+
+    def get(self, key: str, ttl: float) -> tuple[str, dict[str, Any] | None]:
+        """``("hit", entry)``, ``("fetch", None)``: the caller fetches it and puts it, or
+        ``("wait", None)``: another task is fetching it."""
+        found = self._entries.get(key)
+        if found is not None and time.time() - found[0]["fetched_at"] < ttl:
+            self._entries.move_to_end(key)
+            return "hit", found[0]
+        now = self.clock()
+        if self._claims.get(key, 0.0) > now:
+            return "wait", None
+        self._claims[key] = now + self.claim_s
+        return "fetch", None
+
+    def put(self, key: str, entry: dict[str, Any]) -> None:
+        self._claims.pop(key, None)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old[1]
+        size = len(key) + len(entry.get("text") or "") + 200
+        if size > self.max_bytes:
+            return
+        self._entries[key] = (entry, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.bytes -= dropped
+        for stale in [k for k, until in self._claims.items() if until <= self.clock()]:
+            del self._claims[stale]
