@@ -179,8 +179,16 @@ def _named(nodeid: str, entry: str) -> bool:
     return nodeid == entry or nodeid.startswith((f"{entry}::", f"{entry}["))
 
 
+# A test that asks for one of these fixtures is marked too, wherever it is (a new test file
+# that starts Ray does not slow the fast loop down unnoticed).
+FAST_LOOP_FIXTURES = {"ray_local": "e2e", "ray_cluster": "cluster", "s3_cluster_build": "cluster"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        for mark, entries in FAST_LOOP_LEAVES_OUT.items():
-            if any(_named(item.nodeid, entry) for entry in entries):
-                item.add_marker(getattr(pytest.mark, mark))
+        marks = {mark for mark, entries in FAST_LOOP_LEAVES_OUT.items()
+                 if any(_named(item.nodeid, entry) for entry in entries)}
+        marks |= {mark for name, mark in FAST_LOOP_FIXTURES.items()
+                  if name in getattr(item, "fixturenames", ())}
+        for mark in sorted(marks):
+            item.add_marker(getattr(pytest.mark, mark))
