@@ -14,12 +14,16 @@ starts empty and the tasks take leases again, while the per-task rule covers the
 (``download/host_leases.py``). A coordinator that no call reached for ``IDLE_EXIT_S``
 ends itself: the run is over (or stopped), and nothing else removes detached actors.
 
-Ray stays here: the rest of ``download/`` sees only the ``CoordinatorLink`` protocol.
+``PAIRFORGE_HOST_COORDINATORS=off`` in the workers' environment makes every task follow
+the per-task rule (bench/politeness.py's "before" figures; an escape hatch, never needed
+for correctness). Ray stays here: the rest of ``download/`` sees only the
+``CoordinatorLink`` protocol.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -31,6 +35,7 @@ from pairforge.download.host_leases import CALL_TIMEOUT_S, Grant
 log = logging.getLogger(__name__)
 
 NAMESPACE = "pairforge-hosts"
+SWITCH = "PAIRFORGE_HOST_COORDINATORS"  # "off" in the workers' environment: per-task rule
 IDLE_EXIT_S = 120.0
 MAKE_TIMEOUT_S = 60.0  # the first call waits for the actor's process to start
 CPUS_PER_COORDINATOR = 64  # one coordinator per this many cluster CPUs, 1 to 8
@@ -158,7 +163,7 @@ def run_link(cfg: DownloadConfig, run_id: str | None) -> RayLink | None:
     """The link of a shard task running on Ray as part of run ``run_id``; None elsewhere
     (no run, not in a Ray worker) or when the coordinators cannot be reached at the start
     (the per-task rule then applies, as the log says)."""
-    if run_id is None:
+    if run_id is None or os.environ.get(SWITCH, "").lower() in ("off", "0", "false"):
         return None
     try:
         import ray

@@ -6,15 +6,16 @@ take **leases** from it: a share of the host's request rate and of its connectio
 ``lease_s`` seconds, which the task renews in the background (``download/host_leases.py``)
 so that no request waits on a remote call. :class:`HostBook` is the arithmetic:
 
-* **Rate.** The host's ``per_host_requests_per_s`` is divided equally among the tasks
-  holding a live lease of it. A new holder is given only what the live leases leave
-  free, so the grants never add up to more than the rate; the holders' shares shrink to
-  the equal share as they renew (every half lease), and the rest goes to the newcomer at
-  its next ask. The burst is divided the same way.
-* **Connections.** ``per_host_connections`` is divided the same way in whole
-  connections, the remainder by a fixed order of the tasks; when there are more holders
-  than connections, the connections go to the holders served least recently, so they
-  rotate among the holders at each renewal.
+* **Rate.** The host's ``per_host_requests_per_s`` is divided among the tasks holding a
+  live lease of it, in whole requests a second where it can (20 among 3: 7, 7 and 6; the
+  remainder by a fixed order of the tasks). A new holder is given only what the live
+  leases leave free, so the grants never add up to more than the rate; the holders'
+  shares shrink to theirs as they renew (every half lease), and the rest goes to the
+  newcomer at its next ask. The burst is divided in proportion.
+* **Connections.** ``per_host_connections`` is divided the same way, in whole
+  connections.
+* With more holders than units (requests a second, connections), the units go to the
+  holders served least recently, so they rotate among the holders at each renewal.
 * **Breaker.** Holders report their rows' transient failures (and a success since the
   last report); the book adds them up across tasks, so ``host_failures`` in a row of one
   host open its breaker whichever tasks saw them. A task whose own count opened it
@@ -31,6 +32,7 @@ run by the task the store asks to, in a byte-bounded LRU.
 
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from collections import OrderedDict
@@ -56,7 +58,28 @@ class _Holder:
     rate: float = 0.0
     connections: int = 0
     expires: float = 0.0
-    served: float = float("-inf")  # when last given a connection: the rotation's order
+    # when last given some rate, some connections: the order in which they rotate
+    served_rate: float = float("-inf")
+    served_connections: float = float("-inf")
+
+
+def _divide(total: float, n: int, rank: int) -> float:
+    """The share of the holder at ``rank`` of ``n`` in whole units (requests a second,
+    connections): ``total // n`` each and the rest one unit each from rank 0. Whole
+    requests a second keep each task's requests in step with the 1-s windows a site
+    counts in: 2.5 and 2.5 a second can both send 3 in one second, 3 and 2 cannot."""
+    base = math.floor(total / n)
+    return base + min(1.0, max(0.0, total - base * n - rank))
+
+
+def _rank(host: _Host, task: str, rotate: bool, what: str) -> int:
+    """``task``'s place among ``host``'s holders: a fixed order of the tasks, or with
+    ``rotate`` (more holders than units) the holders served ``what`` least recently first."""
+    def key(item: tuple[str, _Holder]) -> tuple[float, str]:
+        return (getattr(item[1], f"served_{what}") if rotate else 0.0, item[0])
+
+    ranked = sorted(host.holders.items(), key=key)
+    return next(i for i, (t, _) in enumerate(ranked) if t == task)
 
 
 @dataclass
@@ -124,19 +147,16 @@ class HostBook:
         holder.expires = now + self.lease_s
         n = len(others) + 1
         if limits.rate is not None:
-            free = limits.rate - sum(h.rate for h in others)
-            holder.rate = max(0.0, min(limits.rate / n, free))
-        # whole connections: C // n each and the rest by a fixed order of the tasks; with
-        # more holders than connections, to the holders served least recently instead
-        rotate = n > limits.connections
-        ranked = sorted(host.holders.items(),
-                        key=lambda item: (item[1].served if rotate else 0.0, item[0]))
-        rank = next(i for i, (t, _) in enumerate(ranked) if t == task)
-        fair = limits.connections // n + (1 if rank < limits.connections % n else 0)
-        free_connections = limits.connections - sum(h.connections for h in others)
-        holder.connections = max(0, min(fair, free_connections))
+            share = _divide(limits.rate, n, _rank(host, task, n > limits.rate, "rate"))
+            holder.rate = max(0.0, min(share, limits.rate - sum(h.rate for h in others)))
+            if holder.rate:
+                holder.served_rate = now
+        share = _divide(limits.connections, n,
+                        _rank(host, task, n > limits.connections, "connections"))
+        free = limits.connections - sum(h.connections for h in others)
+        holder.connections = int(max(0, min(share, free)))
         if holder.connections:
-            holder.served = now
+            holder.served_connections = now
 
     def _expire(self, now: float) -> None:
         for name in list(self.hosts):

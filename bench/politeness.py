@@ -1,0 +1,180 @@
+"""Stage 1's politeness for the whole run (issue 52): what one loopback host sees when its
+rows are spread over every shard of a run.
+
+    python bench/politeness.py                    # caps 5, 20 and none; 8 shards, 2 at once
+    python bench/politeness.py --before           # also each cap with the per-task rule
+    python bench/politeness.py --caps 20 --rows 400
+
+Each run is a child process: a loopback HTTP server on 127.0.0.1 (threads; every
+``/img/<n>.jpg`` is one small JPEG, ``/robots.txt`` and ``/.well-known/tdmrep.json`` allow
+everything) and ``run_download`` on a local Ray (2 CPUs: 2 shard tasks at once) over
+``--rows`` rows of that one host in ``--shards`` shards, robots.txt and TDM at their
+defaults (on). The server logs each request's arrival; the figures are the image requests
+per 1-second window from the first (the busiest window, the busiest after the first, and
+the busiest sliding 1-s window), the overall rate (requests over the span of arrivals), the
+rows ended ok, and how many times each policy file was requested. ``--before`` runs each
+cap again with ``PAIRFORGE_HOST_COORDINATORS=off`` in the workers' environment: every task
+applies the cap to itself alone, as stage 1 did before issue 52.
+
+Target (issue 52): with a cap of 20, at most 22 requests in every 1-s window after the
+first, and the run completes. Loopback only: the script never sends a request elsewhere.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from common import arg_parser
+
+POLICY_FILES = {"/robots.txt": (b"User-agent: *\nAllow: /\n", "text/plain"),
+                "/.well-known/tdmrep.json": (b"[]\n", "application/json")}
+
+
+def _jpeg() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
+class _Site(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.image = _jpeg()
+        self.arrivals: list[tuple[float, str]] = []
+        self.lock = threading.Lock()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Site
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        path = self.path.split("?")[0]
+        with self.server.lock:
+            self.server.arrivals.append((time.monotonic(), path))
+        body, kind = POLICY_FILES.get(path, (self.server.image, "image/jpeg"))
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def windows(times: list[float]) -> dict[str, Any]:
+    """Requests per 1-s window from the first, and the busiest sliding 1-s window."""
+    if not times:
+        return {}
+    times = sorted(times)
+    first = times[0]
+    counts = Counter(int(t - first) for t in times)
+    per_second = [counts[i] for i in range(max(counts) + 1)]
+    sliding, j = 0, 0
+    for i, t in enumerate(times):
+        while times[j] < t - 1.0:
+            j += 1
+        sliding = max(sliding, i - j + 1)
+    span = times[-1] - first
+    return {"per_second": per_second, "busiest": max(per_second),
+            "busiest_after_first": max(per_second[1:], default=0),
+            "busiest_sliding": sliding,
+            "overall_per_s": round((len(times) - 1) / span, 1) if span > 0 else None}
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One run: the site, stage 1 over it, the server's figures."""
+    from pairforge.config import parse_config
+    from pairforge.pipeline.download_stage import run_download
+    from pairforge.pipeline.entry import RunOptions
+
+    site = _Site()
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{site.server_address[1]}"
+    folder = Path(tempfile.mkdtemp(prefix="pf-politeness-"))
+    (folder / "in.csv").write_text("url,caption\n" + "".join(
+        f"{base}/img/{i}.jpg,a red square {i}\n" for i in range(spec["rows"])))
+    download: dict[str, Any] = {"allow_addresses": ["127.0.0.1/32"], "processes": 2,
+                                "retries": 0, "image": {"image_size": 32}}
+    if spec["cap"] is not None:
+        download["per_host_requests_per_s"] = spec["cap"]
+    cfg = parse_config({"input": {"path": str(folder / "in.csv"),
+                                  "shard_size": -(-spec["rows"] // spec["shards"])},
+                        "output": {"path": str(folder / "out")}, "download": download,
+                        "ray": {"num_cpus": 2}})
+    started = time.time()
+    summary = run_download(cfg, RunOptions(show_progress=False))
+    seconds = time.time() - started
+    site.shutdown()
+    images = [t for t, p in site.arrivals if p.startswith("/img/")]
+    files = Counter(p for _, p in site.arrivals if p in POLICY_FILES)
+    return {**spec, "ok": summary["status"].get("ok", 0), "status": summary["status"],
+            "image_requests": len(images), "seconds": round(seconds, 1),
+            "policy_file_requests": dict(files), **windows(images)}
+
+
+def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    if spec["before"]:
+        env["PAIRFORGE_HOST_COORDINATORS"] = "off"
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
+                          capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        raise SystemExit(f"child failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--rows", type=int, default=400)
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--caps", default="5,20,none",
+                        help="comma-separated caps (requests/s), 'none' for no cap")
+    parser.add_argument("--before", action="store_true",
+                        help="also run each cap with the per-task rule (before issue 52)")
+    parser.add_argument("--child", help=argparse_hidden())
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    caps = [None if c == "none" else float(c) for c in args.caps.split(",")]
+    for cap in caps:
+        # a cap of 5 over 400 rows would take 80 s: its figures are the same at 200
+        rows = min(args.rows, 200) if cap is not None and cap < 10 else args.rows
+        for before in ([True, False] if args.before else [False]):
+            result = run_child({"cap": cap, "rows": rows, "shards": args.shards,
+                                "before": before})
+            rule = "per-task rule" if before else "run-wide"
+            print(f"cap {cap or 'none'} ({rule}): {result['ok']}/{rows} ok in "
+                  f"{result['seconds']} s; {result['overall_per_s']} req/s overall, busiest "
+                  f"1-s window {result['busiest']} (after the first "
+                  f"{result['busiest_after_first']}, sliding {result['busiest_sliding']}); "
+                  f"policy files requested {result['policy_file_requests']}; per second "
+                  f"{result['per_second']}", flush=True)
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()
