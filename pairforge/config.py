@@ -162,18 +162,23 @@ class DownloadConfig(Strict):
         DEFAULT_USER_AGENT, min_length=1,
         description="the User-Agent header, naming a contact URL; its product token (before "
         "the first /) is the name robots.txt groups and X-Robots-Tag values are matched by")
-    per_host_connections: int = Field(8, gt=0, description="politeness: requests at once per host")
+    per_host_connections: int = Field(
+        8, gt=0, description="politeness: requests at once per host, for the whole run (its "
+        "shard tasks share it through the run's host coordinators)")
     per_host_requests_per_s: float | None = Field(
-        None, gt=0, description="politeness: request rate cap per host and shard task (a "
-        "token bucket; retries and redirect hops count); null: no cap")
-    per_host_burst: int = Field(1, ge=1, description="requests a host's bucket may hold")
+        None, gt=0, description="politeness: request rate cap per host for the whole run, "
+        "every shard task on every node together (a token bucket; retries and redirect "
+        "hops count); null: no cap")
+    per_host_burst: int = Field(1, ge=1, description="requests a host's bucket may hold "
+                                "(divided among the tasks fetching the host)")
     host_failures: int | None = Field(
         None, gt=0, description="circuit breaker: rows in a row ending in a transient failure "
-        "(timeout, connection, 429, 5xx) after which a host is paused; null: off")
+        "(timeout, connection, 429, 5xx), all tasks together, after which a host is paused "
+        "for the whole run; null: off")
     host_pause_s: float = Field(10.0, gt=0, description="first pause of a host; doubled at "
                                 "each reopening")
     host_max_pauses: int = Field(2, ge=0, description="pauses before a host is given up for "
-                                 "the task: its remaining rows end host_paused")
+                                 "the run: its remaining rows end host_paused")
     respect_robots: bool = Field(True, description="honour X-Robots-Tag opt-outs")
     robots_txt: bool = Field(True, description="honour each host's robots.txt (RFC 9309): "
                              "disallowed rows end opted_out (reason robots) before any request; "
