@@ -18,11 +18,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pairforge.download.consent import make_gate
-from pairforge.download.fetch import Fetcher
 from pairforge.download.inputs import InputShard, read_shard_rows
 from pairforge.download.lists import Lists
-from pairforge.download.shard import ShardConfig, ShardDownloader, read_tar_members, sample_meta
+from pairforge.download.shard import (
+    ShardConfig,
+    ShardDownloader,
+    read_tar_members,
+    sample_meta,
+    shard_fetcher,
+)
 from pairforge.records import Status, index_digits, is_transient_failure, make_key
 from pairforge.shards.failures import SHARD_TOP, HostFailures, host_of
 from pairforge.shards.raw import row_counts, shard_name, stats_name
@@ -83,8 +87,7 @@ def _refetch(shard: InputShard, cfg: ShardConfig, keys: set[str], lists: Lists |
         row["key"] = make_key(shard.shard_id, i, digits)
         if row["key"] in keys:
             rows.append(row)
-    gate = make_gate(cfg.download, run_id)
-    fetcher = Fetcher(cfg.download, gate=gate)
+    fetcher, gate = shard_fetcher(cfg.download, run_id, rows)
     tars = read_tar_members([r["source"] for r in rows
                              if (r["source"] or "").startswith("tar:")],
                             cfg.input.storage_options)

@@ -26,7 +26,7 @@ import fsspec
 
 from pairforge.config import DownloadConfig, InputConfig, OutputConfig
 from pairforge.download.alt_text import invalid_error, read_alt_text
-from pairforge.download.consent import make_gate
+from pairforge.download.consent import ConsentGate, make_gate
 from pairforge.download.fetch import Fetcher, FetchResult
 from pairforge.download.host_actors import run_link
 from pairforge.download.imageproc import ImageFailure, ProcessedImage, process_image
@@ -170,6 +170,17 @@ def _opt_out_counts(opted_out: Counter) -> dict[str, Any]:
     return {"opted_out": dict(sorted(reasons.items())), "hosts": dict(hosts)}
 
 
+def shard_fetcher(download: DownloadConfig, run_id: str | None,
+                  rows: list[dict[str, Any]]) -> tuple[Fetcher, ConsentGate | None]:
+    """A shard task's fetcher and consent gate. In run ``run_id`` on Ray they take their
+    hosts' leases and files from the run's host coordinators, so one rate, connection
+    budget, breaker and robots.txt per host hold for every task (none are asked when no
+    row of ``rows`` is fetched over the network)."""
+    link = run_link(download, run_id) if any(r["source"] is None for r in rows) else None
+    gate = make_gate(download, run_id, link)
+    return Fetcher(download, gate=gate, hosts=HostPolicy(download, link)), gate
+
+
 def download_shard(shard: InputShard, cfg: ShardConfig, settings: dict[str, Any],
                    progress: ProgressFn | None = None, lists: Lists | None = None,
                    run_id: str | None = None) -> dict[str, Any]:
@@ -188,11 +199,7 @@ def download_shard(shard: InputShard, cfg: ShardConfig, settings: dict[str, Any]
     digits = index_digits(cfg.input.shard_size)
     for i, row in enumerate(rows, start=shard.first_row):
         row["key"] = make_key(shard.shard_id, i, digits)
-    # the run's host coordinators: one rate, connection budget, breaker and robots.txt
-    # per host for every task (none needed when no row is fetched over the network)
-    link = run_link(cfg.download, run_id) if any(r["source"] is None for r in rows) else None
-    gate = make_gate(cfg.download, run_id, link)
-    fetcher = Fetcher(cfg.download, gate=gate, hosts=HostPolicy(cfg.download, link))
+    fetcher, gate = shard_fetcher(cfg.download, run_id, rows)
     guard = MemoryGuard(cfg.download.max_task_memory_mb,
                         GuardedRows(out, shard.shard_id, settings))
     worker = ShardDownloader(cfg, fetcher, read_tar_members(
