@@ -4,17 +4,22 @@ rows are spread over every shard of a run.
     python bench/politeness.py                    # caps 5, 20 and none; 8 shards, 2 at once
     python bench/politeness.py --before           # also each cap with the per-task rule
     python bench/politeness.py --caps 20 --rows 400
+    python bench/politeness.py --caps 20 --before --cluster   # 3-node loopback cluster
 
 Each run is a child process: a loopback HTTP server on 127.0.0.1 (threads; every
 ``/img/<n>.jpg`` is one small JPEG, ``/robots.txt`` and ``/.well-known/tdmrep.json`` allow
 everything) and ``run_download`` on a local Ray (2 CPUs: 2 shard tasks at once) over
 ``--rows`` rows of that one host in ``--shards`` shards, robots.txt and TDM at their
-defaults (on). The server logs each request's arrival; the figures are the image requests
-per 1-second window from the first (the busiest window, the busiest after the first, and
-the busiest sliding 1-s window), the overall rate (requests over the span of arrivals), the
-rows ended ok, and how many times each policy file was requested. ``--before`` runs each
-cap again with ``PAIRFORGE_HOST_COORDINATORS=off`` in the workers' environment: every task
-applies the cap to itself alone, as stage 1 did before issue 52.
+defaults (on); ``--cluster`` runs it on a 3-node loopback cluster instead (tests/
+cluster_utils.py: three ``ray start`` nodes of 1 CPU each on 127.0.0.2, each with its own
+TMPDIR as separate machines would have, 3 tasks at once, one a node). The server logs
+each request's arrival; the figures are the image requests per 1-second window from the
+first (the busiest window, the busiest after the first, and the busiest sliding 1-s
+window), the overall rate (requests over the span of arrivals), the rows ended ok, and
+how many times each policy file was requested. ``--before`` runs each
+cap again with ``PAIRFORGE_HOST_COORDINATORS=off`` in the workers' environment (the job's
+runtime env): every task applies the cap to itself alone, and each node fetches the
+policy files for itself, as stage 1 did before issue 52.
 
 Target (issue 52): with a cap of 20, at most 22 requests in every 1-s window after the
 first, and the run completes. Loopback only: the script never sends a request elsewhere.
@@ -35,7 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from common import arg_parser
+from common import TESTS, arg_parser
 
 POLICY_FILES = {"/robots.txt": (b"User-agent: *\nAllow: /\n", "text/plain"),
                 "/.well-known/tdmrep.json": (b"[]\n", "application/json")}
@@ -110,14 +115,18 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="pf-politeness-"))
     (folder / "in.csv").write_text("url,caption\n" + "".join(
         f"{base}/img/{i}.jpg,a red square {i}\n" for i in range(spec["rows"])))
-    download: dict[str, Any] = {"allow_addresses": ["127.0.0.1/32"], "processes": 2,
-                                "retries": 0, "image": {"image_size": 32}}
+    download: dict[str, Any] = {"allow_addresses": ["127.0.0.1/32"], "retries": 0,
+                                "image": {"image_size": 32}}
+    ray: dict[str, Any] = ({"address": spec["address"]} if spec.get("address")
+                           else {"num_cpus": 2})
+    if spec["before"]:
+        ray["runtime_env"] = {"env_vars": {"PAIRFORGE_HOST_COORDINATORS": "off"}}
     if spec["cap"] is not None:
         download["per_host_requests_per_s"] = spec["cap"]
     cfg = parse_config({"input": {"path": str(folder / "in.csv"),
                                   "shard_size": -(-spec["rows"] // spec["shards"])},
                         "output": {"path": str(folder / "out")}, "download": download,
-                        "ray": {"num_cpus": 2}})
+                        "ray": ray})
     started = time.time()
     summary = run_download(cfg, RunOptions(show_progress=False))
     seconds = time.time() - started
@@ -129,10 +138,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             "policy_file_requests": dict(files), **windows(images)}
 
 
-def run_child(spec: dict[str, Any]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
-    if spec["before"]:
-        env["PAIRFORGE_HOST_COORDINATORS"] = "off"
+def run_child(spec: dict[str, Any], env_extra: dict[str, str]) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **env_extra}
+    env.pop("RAY_ADDRESS", None)
     done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
                           capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -149,20 +157,46 @@ def main() -> None:
                         help="comma-separated caps (requests/s), 'none' for no cap")
     parser.add_argument("--before", action="store_true",
                         help="also run each cap with the per-task rule (before issue 52)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="on a 3-node loopback cluster (tests/cluster_utils.py)")
     parser.add_argument("--child", help=argparse_hidden())
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
+    if not args.cluster:
+        runs(args, None, {})
+        return
+    sys.path.insert(0, str(TESTS))
+    from cluster_utils import LocalCluster
+
+    class Nodes(LocalCluster):
+        """Each node its own TMPDIR, as separate machines have: the node-local cache of
+        policy files (download/consent.py) is then per node, not one for the machine."""
+
+        def _spawn(self, name: str, head: bool) -> None:
+            tmp = self.temp_dir / f"tmp-{name}"
+            tmp.mkdir(exist_ok=True)
+            self.env["TMPDIR"] = str(tmp)
+            super()._spawn(name, head)
+
+    with Nodes({"head": (1, {}), "node2": (1, {}), "node3": (1, {})}) as cluster:
+        print(f"3-node loopback cluster at {cluster.address}", flush=True)
+        runs(args, cluster.address, cluster.driver_env)
+
+
+def runs(args: Any, address: str | None, env: dict[str, str]) -> None:
+    """Every cap of ``args``, with the per-task rule first where ``--before`` asks."""
     caps = [None if c == "none" else float(c) for c in args.caps.split(",")]
     for cap in caps:
         # a cap of 5 over 400 rows would take 80 s: its figures are the same at 200
         rows = min(args.rows, 200) if cap is not None and cap < 10 else args.rows
         for before in ([True, False] if args.before else [False]):
             result = run_child({"cap": cap, "rows": rows, "shards": args.shards,
-                                "before": before})
+                                "before": before, "address": address}, env)
             rule = "per-task rule" if before else "run-wide"
-            print(f"cap {cap or 'none'} ({rule}): {result['ok']}/{rows} ok in "
+            where = "3 nodes" if address else "local Ray"
+            print(f"{where}, cap {cap or 'none'} ({rule}): {result['ok']}/{rows} ok in "
                   f"{result['seconds']} s; {result['overall_per_s']} req/s overall, busiest "
                   f"1-s window {result['busiest']} (after the first "
                   f"{result['busiest_after_first']}, sliding {result['busiest_sliding']}); "
