@@ -375,14 +375,31 @@ class TokenizeConfig(ModelPoolConfig):
 
 
 class OpenAIServerConfig(Strict):
-    """An OpenAI-compatible chat-completions server (vLLM, SGLang, TGI) for recaptioning."""
+    """An OpenAI-compatible chat-completions server (vLLM, SGLang, TGI) for recaptioning.
+
+    vLLM is not a pairforge extra: its wheel pins another torch, transformers and numpy
+    than pairforge's. Run it as a server (in its own environment, or its own image on the
+    cluster) and point ``base_url`` at it, e.g. ``vllm serve
+    HuggingFaceTB/SmolVLM-256M-Instruct --port 8000`` with ``backend: openai``, ``model:``
+    the served name, and ``concurrency`` times ``pool_size`` in the hundreds (what vLLM's
+    continuous batching needs to fill a GPU). Each actor keeps ``concurrency`` requests in
+    flight across its batches (docs/ARCHITECTURE.md, "Captioning through a server")."""
 
     base_url: str = Field("http://127.0.0.1:8000/v1", description="the server's /v1 URL")
     api_key_env: str = Field("OPENAI_API_KEY",
                              description="environment variable holding the key (may be unset)")
-    concurrency: int = Field(8, gt=0, description="requests in flight per actor")
-    timeout_s: float = Field(60.0, gt=0, description="per request")
-    retries: int = Field(3, ge=0, description="retries on timeouts, 429 and 5xx (with backoff)")
+    concurrency: int = Field(
+        8, gt=0, description="requests in flight per actor, kept across batches: the actor "
+        "works on up to 8 x concurrency / batch_size batches at once (at most 128), so a "
+        "slow answer holds one request's place, not its batch's; the server sees pool_size "
+        "x concurrency")
+    timeout_s: float = Field(60.0, gt=0, description="per request (waiting for a free "
+                             "place among the concurrency ones not counted)")
+    retries: int = Field(3, ge=0, description="retries on timeouts, connection errors, 408, "
+                         "409, 429 and 5xx, with backoff or the server's Retry-After; a request "
+                         "still failing leaves its row without a recaption, flagged "
+                         "failed:REASON (origin failed, not cached: a rerun asks again). "
+                         "401, 403 and 404 stop the run: the URL, key or model is wrong")
     logit_bias_tokenizer: str | None = Field(
         None, description="the served model's tokenizer (hub id or local folder): with "
         "recaption.constrained_decoding, requests carry logit_bias -100 for the blocked "

@@ -224,6 +224,13 @@ class ModelStep(Step):
     def pool_config(cls, cfg: StepConfig) -> ModelPoolConfig:
         raise NotImplementedError
 
+    @classmethod
+    def concurrent_batches(cls, cfg: StepConfig) -> int:
+        """How many batches one actor works on at once, each in its own thread (above 1,
+        ``process`` must be thread-safe): a step that waits on a server rather than
+        computing keeps its requests in flight across batches. A model runs one."""
+        return 1
+
     def __init__(self, cfg: StepConfig) -> None:
         super().__init__(cfg)
         threads = self.pool_config(cfg).torch_threads

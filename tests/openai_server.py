@@ -4,8 +4,13 @@
 answers ``status`` without a list. ``POST /v1/chat/completions`` answers with the real
 generations of a transformers captioner (pairforge.recaption.backends.TransformersCaptioner)
 for a served model, the way vLLM or SGLang would serve it: the image arrives as a base64
-data URL, the prompt as text. The first ``fail_first`` completions get a 503 with
-``Retry-After: 0`` so the client's retries run. ``closed_port`` is a port where nothing
+data URL, the prompt as text, or with ``text`` for every image when no captioner is
+given. The first ``fail_first`` completions get a 503 with ``Retry-After: 0`` so the
+client's retries run; ``answer_status`` answers every completion with that status (and
+``Retry-After: 0``), ``garbage`` with a 200 whose body is not a chat completion.
+``hold_until``: each completion waits until that many are in flight at once (at most
+``hold_s``), so a client that never reaches that many waits ``hold_s`` per request and
+``max_in_flight`` says how many it reached. ``closed_port`` is a port where nothing
 listens.
 """
 
@@ -27,9 +32,13 @@ from pairforge.recaption.backends import Captioner
 
 class OpenAIServer:
     def __init__(self, models: list[str], captioner: Captioner | None = None, *,
-                 status: int = 200, fail_first: int = 0) -> None:
-        self.models, self.captioner = models, captioner
+                 status: int = 200, fail_first: int = 0, text: str | None = None,
+                 answer_status: int | None = None, garbage: bool = False,
+                 hold_until: int | None = None, hold_s: float = 10.0) -> None:
+        self.models, self.captioner, self.text = models, captioner, text
         self.status, self.fail_first = status, fail_first
+        self.answer_status, self.garbage = answer_status, garbage
+        self.hold_until, self.hold_s = hold_until, hold_s
         self.requests: list[tuple[str, str | None]] = []  # ("GET /v1/models", Authorization)
         self.completions = 0  # POSTs to /v1/chat/completions, failed ones included
         self.prompts: Counter[str] = Counter()
@@ -37,6 +46,7 @@ class OpenAIServer:
         self.max_in_flight = 0
         self._in_flight = 0
         self._lock = threading.Lock()
+        self._reached = threading.Event()  # hold_until requests were in flight at once
         self._model_lock = threading.Lock()  # one generate at a time, like one GPU
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -59,20 +69,33 @@ class OpenAIServer:
         return 200, {"object": "list",
                      "data": [{"id": m, "object": "model"} for m in self.models]}
 
-    def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any] | bytes]:
         with self._lock:
             self.completions += 1
             if self.completions <= self.fail_first:
                 return 503, {"error": {"message": "warming up"}}
             self._in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self._in_flight)
+            if self.hold_until is not None and self._in_flight >= self.hold_until:
+                self._reached.set()
         try:
+            if self.hold_until is not None:
+                self._reached.wait(self.hold_s)
+            if self.answer_status is not None:
+                return self.answer_status, {"error": {"message": "server error"}}
+            if self.garbage:  # a proxy's error page with a 200
+                return 200, b"<html><body>upstream hiccup</body></html>"
             return self._generate(body)
         finally:
             with self._lock:
                 self._in_flight -= 1
 
     def _generate(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if body.get("model") in self.models and self.captioner is None and self.text:
+            with self._lock:
+                self.prompts[body["messages"][-1]["content"][-1]["text"]] += 1
+            return 200, {"object": "chat.completion", "model": body["model"], "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": self.text}}]}
         if self.captioner is None or body.get("model") not in self.models:
             return 404, {"error": {"message": f"model {body.get('model')!r} not served"}}
         content = body["messages"][-1]["content"]
@@ -113,12 +136,12 @@ class OpenAIServer:
                                             self.headers.get("Authorization")))
                 return self.path
 
-            def _answer(self, status: int, reply: dict[str, Any]) -> None:
-                data = json.dumps(reply).encode()
+            def _answer(self, status: int, reply: dict[str, Any] | bytes) -> None:
+                data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
-                if status == 503:
+                if status == 503 or status == server.answer_status:
                     self.send_header("Retry-After", "0")
                 self.end_headers()
                 self.wfile.write(data)

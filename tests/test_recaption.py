@@ -182,13 +182,13 @@ def test_openai_backend_returns_the_served_models_generations(tiny_captioners) -
 
 
 def test_openai_backend_reports_a_wrong_model_name(tiny_captioners) -> None:
-    import requests
+    from pairforge.recaption.openai_client import ServerRefused
 
     served = TransformersCaptioner(RecaptionConfig(model=str(tiny_captioners["git"])))
     with OpenAIServer(["tiny-git"], served) as server:
         client = OpenAICaptioner(RecaptionConfig(
             backend="openai", model="other", openai={"base_url": server.base_url}))
-        with pytest.raises(requests.HTTPError, match="404"):
+        with pytest.raises(ServerRefused, match="404"):
             client.generate(_photos(1), "x")
 
 

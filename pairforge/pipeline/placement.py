@@ -121,6 +121,18 @@ def _cut_into_blocks(ds: Any, rows: int) -> Any:
     return cut_into_blocks(ds, rows, num_cpus=TASK_CPUS)
 
 
+def _actor_pool(size: int, concurrent: int) -> Any:
+    """A fixed pool; with ``concurrent`` above 1, each actor runs that many calls at once in
+    threads (Ray Data serialises an actor's calls unless told otherwise, and queues at most
+    twice its concurrency of tasks on it), each call one block of batches."""
+    from ray.data import ActorPoolStrategy
+
+    if concurrent <= 1:
+        return ActorPoolStrategy(size=size)
+    return ActorPoolStrategy(size=size, max_concurrent_calls_per_actor=concurrent,
+                             enable_true_multi_threading=True)
+
+
 def add_step(ds: Any, step_cls: type[Step], cfg: StepConfig,
              actor_cpus: dict[str, float] | None = None, drop: tuple[str, ...] = ()) -> Any:
     """Append one step to a Ray dataset: an actor pool for models, tasks otherwise. No
@@ -134,11 +146,14 @@ def add_step(ds: Any, step_cls: type[Step], cfg: StepConfig,
             extra["num_gpus"] = pool.num_gpus
         if pool.resources:
             extra["resources"] = pool.resources
-        from ray.data import ActorPoolStrategy
-
+        concurrent = step_cls.concurrent_batches(cfg)
+        if concurrent > 1:
+            # one batch per block: an actor's concurrent calls are blocks, and blocks of
+            # many batches would need that many blocks queued on each actor
+            ds = _cut_into_blocks(ds, pool.batch_size)
         return ds.map_batches(step_cls, fn_constructor_args=(cfg,), batch_size=pool.batch_size,
                               batch_format="pyarrow", fn_kwargs={"drop": drop},
-                              compute=ActorPoolStrategy(size=pool.pool_size),
+                              compute=_actor_pool(pool.pool_size, concurrent),
                               num_cpus=num_cpus, **extra)
     return ds.map_batches(functools.partial(_run_plain_step, step_cls, cfg), batch_size=None,
                           batch_format="pyarrow", fn_kwargs={"drop": drop}, num_cpus=TASK_CPUS)

@@ -11,27 +11,36 @@ import base64
 import functools
 import io
 import os
-import time
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from pairforge.backoff import backoff_seconds
 from pairforge.config import RecaptionConfig
 from pairforge.images import model_dtype
 from pairforge.recaption.constrain import WordBlocker
+from pairforge.recaption.openai_client import Answer, ChatClient, Failure
 from pairforge.recaption.vision import VisionEmbedder
 
 
 class Captioner(ABC):
     """Images + prompt -> raw caption text, one per image, in order."""
 
+    # whether several threads may call it at once (a server's client: its requests overlap)
+    concurrent = False
+
     @abstractmethod
     def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
         """The model's answer for each image."""
+
+    def answers(self, images: list[Image.Image], prompt: str) -> list[Answer]:
+        """Like ``generate``, but a backend whose requests can fail one by one (a server)
+        answers a row it could not caption with a :class:`Failure` instead of raising."""
+        return list(self.generate(images, prompt))
+
+    def close(self) -> None:  # noqa: B027 - optional hook, like Step.teardown
+        """Release connections and threads; the default holds none."""
 
     def image_embeddings(self, images: list[Image.Image]) -> np.ndarray:
         """The model's own normalised image vectors, one row per image (the cache's
@@ -148,26 +157,20 @@ def data_url(image: Image.Image) -> str:
 
 
 class OpenAICaptioner(Captioner):
-    """A chat-completions endpoint (vLLM, SGLang, TGI): one request per image, ``concurrency``
-    in flight, retries with backoff on timeouts, 429 and 5xx (honouring Retry-After)."""
+    """A chat-completions endpoint (vLLM, SGLang, TGI): one request per image,
+    ``openai.concurrency`` in flight per captioner across every thread that calls it
+    (recaption/openai_client.py), retries with backoff on timeouts, 429 and 5xx (honouring
+    Retry-After); a request that still fails is its row's :class:`Failure`."""
 
-    RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
+    concurrent = True
 
     def __init__(self, cfg: RecaptionConfig, blocked: list[str] | None = None) -> None:
-        import requests
-        from requests.adapters import HTTPAdapter
-
         self.cfg, self.server = cfg, cfg.openai
         self.logit_bias = _logit_bias(cfg, blocked)
-        self.session = requests.Session()
-        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=self.server.concurrency)
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
         key = os.environ.get(self.server.api_key_env)
-        if key:
-            self.session.headers["Authorization"] = f"Bearer {key}"
-        self.pool = ThreadPoolExecutor(self.server.concurrency)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.url = self.server.base_url.rstrip("/") + "/chat/completions"
+        self.client = ChatClient(self.server, self.url, headers)
 
     def _body(self, image: Image.Image, prompt: str) -> dict[str, Any]:
         side = self.cfg.input_resolution
@@ -183,27 +186,22 @@ class OpenAICaptioner(Captioner):
             body["logit_bias"] = self.logit_bias
         return body
 
-    def _request(self, body: dict[str, Any]) -> str:
-        import requests
-
-        for attempt in range(self.server.retries + 1):
-            last = attempt == self.server.retries
-            try:
-                response = self.session.post(self.url, json=body, timeout=self.server.timeout_s)
-            except (requests.ConnectionError, requests.Timeout):
-                if last:
-                    raise
-                time.sleep(backoff_seconds(attempt, None))
-                continue
-            if response.status_code in self.RETRY_STATUS and not last:
-                time.sleep(backoff_seconds(attempt, response.headers.get("Retry-After")))
-                continue
-            response.raise_for_status()
-            return response.json()["choices"][0]["message"]["content"] or ""
-        raise AssertionError("unreachable")
+    def answers(self, images: list[Image.Image], prompt: str) -> list[Answer]:
+        # submitted one by one as encoded: the first requests are in flight while the
+        # batch's later images are still being turned into JPEG
+        futures = [self.client.submit(self._body(im, prompt)) for im in images]
+        return [f.result() for f in futures]
 
     def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
-        return list(self.pool.map(self._request, [self._body(im, prompt) for im in images]))
+        answers = self.answers(images, prompt)
+        failed = [a for a in answers if isinstance(a, Failure)]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(answers)} requests to {self.url} "
+                               f"failed: {failed[0].reason} ({failed[0].detail})")
+        return [a for a in answers if isinstance(a, str)]
+
+    def close(self) -> None:
+        self.client.close()
 
 
 def _logit_bias(cfg: RecaptionConfig, blocked: list[str] | None) -> dict[str, int]:

@@ -3,11 +3,19 @@
 The recaption step (recaption/step.py) wraps this with the cache and the build's claims;
 ``pairforge recaption-eval`` (recaption/evaluate.py) runs the same code on a table of
 reference captions, so what the evaluation measures is what a build writes.
+
+Several threads may caption at once (the recaption step's actor works on several batches
+when its backend is a server): the requests overlap, while model calls (a transformers
+captioner, CLIP or the detector for grounding) and the models' loading take one lock, so
+a GPU never holds two batches' activations and a model is loaded once. A row whose request
+failed after the client's retries ends as ``failed:REASON`` (no caption, no strict retry:
+the server failed, not the caption).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -20,9 +28,20 @@ from pairforge.recaption.backends import Captioner, load_captioner
 from pairforge.recaption.cache import CachedCaption
 from pairforge.recaption.detector import DetectorGrounding
 from pairforge.recaption.grounding import ClipGrounding, Grounding, NounLexicon
+from pairforge.recaption.openai_client import Answer, Failure
 from pairforge.recaption.prompts import DEFAULT_PROMPT, STRICT_PROMPT, clean_caption
 
 Checked = tuple[str, list[str], list[str]]  # caption, attribute flags, problems
+FAILED = "failed:"  # a problem (and the row's flag) when the backend gave no answer
+
+
+def failed(entry: CachedCaption) -> bool:
+    """Whether the backend failed to answer for this caption (a server's error)."""
+    return any(f.startswith(FAILED) for f in entry.flags)
+
+
+def _failures(problems: list[str]) -> tuple[str, ...]:
+    return tuple(p for p in problems if p.startswith(FAILED))
 
 
 def _verdict(first: Checked, second: Checked | None) -> CachedCaption:
@@ -30,9 +49,13 @@ def _verdict(first: Checked, second: Checked | None) -> CachedCaption:
     caption, flags, problems = first
     if not problems:
         return CachedCaption(caption, tuple(flags))
+    if _failures(problems):
+        return CachedCaption(None, _failures(problems))
     assert second is not None
     tried = tuple(f"regenerated:{p}" for p in problems)
     caption, flags, again = second
+    if _failures(again):
+        return CachedCaption(None, tried + _failures(again))
     if again:
         return CachedCaption(None, tried + tuple(f"abstained:{p}" for p in again))
     return CachedCaption(caption, tried + tuple(flags))
@@ -46,6 +69,9 @@ class CheckedCaptioner:
         self.recaption, self.clip_config, self.device = recaption, clip, device
         self.prompt = recaption.prompt or DEFAULT_PROMPT
         self.lexicon = load_lexicon(recaption.attribute_lexicons)
+        # model calls and lazy loading, one thread at a time (re-entrant: loading the
+        # grounding loads CLIP)
+        self.lock = threading.RLock()
 
     @functools.cached_property
     def captioner(self) -> Captioner:
@@ -65,8 +91,10 @@ class CheckedCaptioner:
         return load_grounding(self.recaption.grounding, self.device,
                               lambda: self.clip)
 
-    def _check(self, text: str) -> Checked:
+    def _check(self, text: Answer) -> Checked:
         """(caption, attribute flags, problems) before grounding; no problems means usable."""
+        if isinstance(text, Failure):
+            return "", [], [FAILED + text.reason]
         caption = clean_caption(text, self.prompt)
         if not caption:
             return "", [], ["empty"]
@@ -78,25 +106,42 @@ class CheckedCaptioner:
                  prompt: str) -> list[Checked]:
         if not images:
             return []
-        checked = [self._check(text) for text in self.captioner.generate(images, prompt)]
-        if self.grounding is None:
-            return checked
-        # one grounding call per batch: the detector backend batches its images
-        unsupported = self.grounding.unsupported(images, [c or None for c, _, _ in checked],
-                                                 embeddings)
+        checked = [self._check(text) for text in self._answers(images, prompt)]
+        with self.lock:
+            if self.grounding is None:
+                return checked
+            # one grounding call per batch: the detector backend batches its images
+            unsupported = self.grounding.unsupported(
+                images, [c or None for c, _, _ in checked], embeddings)
         return [(caption, flags, problems + [f"ungrounded:{noun}" for noun in nouns])
                 for (caption, flags, problems), nouns in zip(checked, unsupported, strict=True)]
+
+    def _answers(self, images: list[Image.Image], prompt: str) -> list[Answer]:
+        """The backend's answers; only a server's requests run outside the lock."""
+        with self.lock:
+            captioner = self.captioner
+            if not captioner.concurrent:
+                return captioner.answers(images, prompt)
+        return captioner.answers(images, prompt)
+
+    def close(self) -> None:
+        """Close the backend's connections, if it was loaded."""
+        captioner = self.__dict__.get("captioner")
+        if captioner is not None:
+            captioner.close()
 
     def caption_images(self, images: list[Image.Image],
                        embeddings: list[Any] | None = None) -> list[CachedCaption]:
         """Caption, check, regenerate the failures once with the strict prompt, or abstain;
         ``embeddings``: the images' CLIP embeddings when the caller has them."""
-        clip_vectors = self.grounding is not None and self.grounding.uses_clip_embeddings
-        if clip_vectors and embeddings is None:  # once for both attempts
-            embeddings = list(self.clip.embed_images(images))
+        with self.lock:
+            clip_vectors = self.grounding is not None and self.grounding.uses_clip_embeddings
+            if clip_vectors and embeddings is None:  # once for both attempts
+                embeddings = list(self.clip.embed_images(images))
         embeddings = embeddings if clip_vectors else [None] * len(images)
         first = self._attempt(images, embeddings, self.prompt)
-        retry = [i for i, (_, _, problems) in enumerate(first) if problems]
+        retry = [i for i, (_, _, problems) in enumerate(first)
+                 if problems and not _failures(problems)]
         second = dict(zip(retry, self._attempt([images[i] for i in retry],
                                                [embeddings[i] for i in retry],
                                                self.prompt + STRICT_PROMPT), strict=True))

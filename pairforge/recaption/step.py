@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +32,7 @@ from pairforge.filters.clip import ClipScorer, clip_source
 from pairforge.images import decode_rgb, model_device
 from pairforge.recaption.cache import CachedCaption, build_id, cache_dir, write_part
 from pairforge.recaption.cache_lookup import IndexedCaptionCache
-from pairforge.recaption.checked import CheckedCaptioner
+from pairforge.recaption.checked import CheckedCaptioner, failed
 from pairforge.recaption.claims import (
     REGISTRY_PREFIX,
     find_registry,
@@ -39,6 +40,7 @@ from pairforge.recaption.claims import (
     stop_registry,
 )
 from pairforge.recaption.detector import OWL_TYPES
+from pairforge.recaption.openai_client import batches_in_flight
 from pairforge.records import process_columns
 from pairforge.sources import (
     TOKENIZER_FILES,
@@ -170,6 +172,16 @@ class RecaptionStep(ModelStep):
         rc = cfg.process.recaption
         return {"models": {"recaption": rc.model if rc.enabled else None}}
 
+    @classmethod
+    def concurrent_batches(cls, cfg: StepConfig) -> int:
+        """A server's actor works on several batches at once, so that its
+        ``openai.concurrency`` requests stay in flight while a batch waits for its slowest
+        answer; a model in the actor takes one batch at a time."""
+        rc = cfg.process.recaption
+        if rc.backend != "openai":
+            return 1
+        return batches_in_flight(rc.openai.concurrency, rc.batch_size)
+
     def __init__(self, cfg: StepConfig) -> None:
         super().__init__(cfg)
         cfg = self.step_config(cfg)
@@ -182,6 +194,12 @@ class RecaptionStep(ModelStep):
         self.embed_tier = rc.cache.enabled and rc.cache.embedding_threshold is not None
         self.embed_source = rc.embedding_source
         self.registry = find_registry(registry_name(cfg, self.column))
+        # concurrent batches (concurrent_batches): the cache's partition LRU is not
+        # thread-safe; model calls take self.checked.lock; registry calls are Ray's
+        self.cache_lock = threading.Lock()
+
+    def teardown(self) -> None:
+        self.checked.close()
 
     @classmethod
     @contextlib.contextmanager
@@ -281,9 +299,12 @@ class RecaptionStep(ModelStep):
         hashes = rows["pixel_hash"].to_pylist()
         phashes = rows["phash"].to_pylist()
         # the batch's hashes by partition, each partition read once
-        found = self.cache.lookup_batch(hashes, phashes)
-        vectors = self._embed(rows, [i for i in range(rows.num_rows) if i not in found])
-        found.update(self.cache.lookup_embeddings(vectors))
+        with self.cache_lock:
+            found = self.cache.lookup_batch(hashes, phashes)
+        with self.checked.lock:
+            vectors = self._embed(rows, [i for i in range(rows.num_rows) if i not in found])
+        with self.cache_lock:
+            found.update(self.cache.lookup_embeddings(vectors))
         todo = [i for i in range(rows.num_rows) if i not in found]
         leaders = dict(zip(todo, self._claims([(hashes[i], keys[i]) for i in todo]),
                            strict=True))
@@ -294,7 +315,9 @@ class RecaptionStep(ModelStep):
                 first_of[hashes[i]] = i
                 mine.append(i)
         made = self._generate_for(rows, mine, vectors)
-        found.update((i, (entry, "model")) for i, entry in made.items())
+        found.update((i, (entry, _origin(entry, "model"))) for i, entry in made.items())
+        # failures are published too: other actors' rows of the image end at once as
+        # failed instead of waiting WAIT_FOR_CLAIMANT_S for a caption that never comes
         if made and self.registry is not None:
             self._call(self.registry.publish, {hashes[i]: e for i, e in made.items()})
         self._resolve_followers(rows, [i for i in todo if i not in made], found, first_of,
@@ -315,12 +338,12 @@ class RecaptionStep(ModelStep):
         for i in followers:
             h = hashes[i]
             if h in first_of and first_of[h] in found:
-                found[i] = (found[first_of[h]][0], "build")
+                found[i] = (found[first_of[h]][0], _origin(found[first_of[h]][0], "build"))
             elif h in published:
-                found[i] = (published[h], "build")
+                found[i] = (published[h], _origin(published[h], "build"))
             else:
                 orphans.append(i)
-        found.update((i, (e, "model"))
+        found.update((i, (e, _origin(e, "model")))
                      for i, e in self._generate_for(rows, orphans, vectors).items())
 
     def _columns(self, results: list[tuple[CachedCaption, str]],
@@ -333,6 +356,12 @@ class RecaptionStep(ModelStep):
             f"{column}_embedding": [None if v is None else np.asarray(v).tolist()
                                     for v in vectors],
         })
+
+
+def _origin(entry: CachedCaption, origin: str) -> str:
+    """``failed`` for a row the backend could not answer (never cached: a rerun asks
+    again), else where its caption came from."""
+    return "failed" if failed(entry) else origin
 
 
 class SecondRecaptionStep(RecaptionStep):
