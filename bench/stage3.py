@@ -15,8 +15,14 @@ rows cost the driver. Ray Data's executor runs in stage 3's coordinator task, wh
 summary reports (``coordinator_cpu_s``; the JSON's ``coordinator_cpu_s_per_1e5_rows``,
 run less rerun). ``--quick`` stops at 10^6 rows. ``--json FILE`` writes
 ``{"driver_cpu_s_per_1e5_rows": {"<rows>": …}, "driver_peak_rss_mib": {"<rows>": …},
-"rows_per_s": {"<rows>": …}, "recaption_actor_peak_rss_mib": {"<cache entries>": …}}``
-(issue 48's layout; its decode count is not measured here yet).
+"rows_per_s": {"<rows>": …}, "decodes_per_row": …, "recaption_actor_peak_rss_mib":
+{"<cache entries>": …}}`` (issue 48's layout). ``decodes_per_row`` counts image decodes
+through CLIP, a classifier, the captioner with CLIP grounding and the VQ
+(tests/test_one_decode.py's tiny models, in this process). ``--decode-arms`` runs each size
+again with every step decoding in its own actor (``PAIRFORGE_DECODE_IN_STEPS``, the layout
+before issue 48's decoding task): ``rows_per_s_decoding_in_steps``. ``--image-size 256``
+writes 256-px JPEGs instead of the 32-px PNG scenes (the VQ's square view then resizes
+them in the decoding task).
 
 The recaption actor's peak RSS with a caption cache of ``--cache-entries`` entries, and
 the cache compaction's wall time, are bench/stage3_cache.py's (``--quick``: at most 10^6
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -36,6 +43,8 @@ from typing import Any
 import yaml
 from common import SAMPLE, arg_parser, json_from_child
 from stage3_cache import measure as measure_cache
+
+from pairforge.pipeline.placement import DECODE_IN_STEPS
 
 _DRIVER = """
 import json, resource, sys, time
@@ -52,11 +61,13 @@ print(json.dumps({"cpu_s": usage.ru_utime + usage.ru_stime,
 """
 
 
-def config(out: Path) -> dict[str, Any]:
+def config(out: Path, image_size: int = 32) -> dict[str, Any]:
+    encode = {"encode_format": "png"} if image_size == 32 else {"encode_format": "jpg",
+                                                                  "resize_mode": "center_crop"}
     return {"input": {"path": "unused", "shard_size": 10_000},
             "output": {"path": str(out)}, "ray": {"num_cpus": 2},
             "dedup": {"enabled": False},
-            "download": {"image": {"image_size": 32, "encode_format": "png"}},
+            "download": {"image": {"image_size": image_size, **encode}},
             "process": {"basic": {"min_image_side": 16},
                         "tokenize": {"enabled": True,
                                      "image": {"backend": "pairforge-vq",
@@ -88,7 +99,7 @@ def _distinct_rows(cfg: Any, limit: int) -> list[tuple[dict[str, Any], Any]]:
     return made
 
 
-def write_raw(out: Path, rows: int, shard_size: int) -> None:
+def write_raw(out: Path, rows: int, shard_size: int, image_size: int = 32) -> None:
     """Raw shards of ``rows`` rows, as stage 1 writes them."""
     from pairforge.config import parse_config
     from pairforge.download.shard import sample_meta
@@ -97,7 +108,8 @@ def write_raw(out: Path, rows: int, shard_size: int) -> None:
     from pairforge.shards.raw import RawShardWriter
     from pairforge.shards.storage import RAW_FOLDER, OutputDir
 
-    cfg = parse_config({**config(out), "input": {"path": "unused", "shard_size": shard_size}})
+    cfg = parse_config({**config(out, image_size),
+                        "input": {"path": "unused", "shard_size": shard_size}})
     distinct = _distinct_rows(cfg, 1000)
     settings = settings_record(stage_settings(cfg, "download"))
     target = OutputDir(str(out))
@@ -117,15 +129,21 @@ def drive(cfg_path: Path) -> dict[str, Any]:
     return json_from_child(["-c", _DRIVER, str(cfg_path)], "pairforge process")
 
 
-def measure(rows: int, work: Path, shard_size: int) -> dict[str, Any]:
+def measure(rows: int, work: Path, shard_size: int, image_size: int = 32,
+            decode_in_steps: bool = False) -> dict[str, Any]:
     out = work / f"rows{rows}"
     shutil.rmtree(out, ignore_errors=True)
     started = time.time()
-    write_raw(out, rows, shard_size)
+    write_raw(out, rows, shard_size, image_size)
     print(f"{rows:,} rows: raw shards written in {time.time() - started:.0f} s", flush=True)
     cfg_path = work / f"rows{rows}.yaml"
-    cfg_path.write_text(yaml.safe_dump(config(out)))
-    run, rerun = drive(cfg_path), drive(cfg_path)
+    cfg_path.write_text(yaml.safe_dump(config(out, image_size)))
+    if decode_in_steps:  # the "before" arm: each model step decodes in its actor
+        os.environ[DECODE_IN_STEPS] = "1"
+    try:
+        run, rerun = drive(cfg_path), drive(cfg_path)
+    finally:
+        os.environ.pop(DECODE_IN_STEPS, None)
     result = {"rows": rows, "run": run, "rerun": rerun,
               "driver_cpu_s_per_1e5_rows": round((run["cpu_s"] - rerun["cpu_s"]) / rows * 1e5, 3),
               "driver_peak_rss_mib": round(run["peak_rss_mib"], 1),
@@ -159,6 +177,24 @@ def cache_report(args: Any, work: Path) -> dict[str, Any]:
     return report
 
 
+def decodes_per_row(work: Path) -> float:
+    """Image decodes per row through CLIP, a transformers classifier, the captioner with
+    CLIP grounding and the VQ, as stage 3 lays the chain out (tests/test_one_decode.py's
+    tiny models; in this process, so the decode counter sees every step)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import test_one_decode as chain
+
+    from pairforge import images
+
+    cfg = chain.chain_config(work / "decodes")
+    rows = chain._rows(chain.N_ROWS)
+    images.DECODES["rows"] = 0
+    chain._run_chain(cfg, rows, decode_first=True)
+    return images.DECODES["rows"] / (chain.N_ROWS - 1)  # its last row is ended by stage 1
+
+
 def main() -> None:
     parser = arg_parser(__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
@@ -172,14 +208,24 @@ def main() -> None:
     parser.add_argument("--cache-before", action="store_true",
                         help="also the whole-load cache (CaptionCache.load), up to 10^6")
     parser.add_argument("--only-cache", action="store_true")
+    parser.add_argument("--image-size", type=int, default=32,
+                        help="raw images' side (32: PNG scenes; else JPEG q90 crops)")
+    parser.add_argument("--decode-arms", action="store_true",
+                        help="also each size with every step decoding in its actor (before)")
     args = parser.parse_args()
     sizes = [r for r in args.rows if not args.quick or r <= 1_000_000]
     work = args.work or Path(tempfile.mkdtemp(prefix="pf-stage3-"))
-    results = [] if args.only_cache else [measure(rows, work, args.shard_size)
+    results = [] if args.only_cache else [measure(rows, work, args.shard_size, args.image_size)
                                           for rows in sizes]
     report = {key: {str(r["rows"]): r[key] for r in results}
               for key in ("driver_cpu_s_per_1e5_rows", "driver_peak_rss_mib", "rows_per_s",
                           "coordinator_cpu_s_per_1e5_rows")}
+    if not args.only_cache:
+        report["decodes_per_row"] = decodes_per_row(work)
+    if args.decode_arms:
+        report["rows_per_s_decoding_in_steps"] = {
+            str(rows): measure(rows, work, args.shard_size, args.image_size,
+                               decode_in_steps=True)["rows_per_s"] for rows in sizes}
     report.update(cache_report(args, work))
     print(json.dumps(report, indent=1))
     if args.json:

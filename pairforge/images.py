@@ -1,21 +1,135 @@
-"""Image helpers shared by the model steps (ground floor: no pipeline, no model code)."""
+"""Image helpers shared by the model steps (ground floor: no pipeline, no model code).
+
+**One decode per row** (issue 48). A model step says which pictures of a row it reads as
+``ImageView``s: the decoded RGB as it is (what a transformers processor takes), or that
+picture already resized and cropped to a model's input (open_clip's resize + centre crop,
+the VQ's square). Stage 3 decodes each row's image once, in a CPU task ahead of the model
+pools (``decode_views``), prepares each distinct view once, and hands the arrays along in
+``pixels.*`` columns; the steps read them with ``view_images``. So decoding and resizing
+overlap the models' forward passes instead of running inside them, and a chain of CLIP,
+a classifier, the captioner and the VQ decodes a row once, not five times. A step called
+without those columns (a test, the service) decodes and prepares by itself, the same way.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import io
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from PIL import Image
 
 from pairforge.config import ModelPoolConfig
+from pairforge.records import Status
 
 if TYPE_CHECKING:
     import torch
 
+DECODES = {"rows": 0}  # images decoded in this process: what the one-decode test counts
+VIEW_PREFIX = "pixels."
+PIXELS = pa.struct([("height", pa.int32()), ("width", pa.int32()),
+                    ("data", pa.large_binary())])  # HWC uint8 RGB
+
 
 def decode_rgb(data: bytes | memoryview) -> Image.Image:
     """An encoded image (a raw shard's bytes) as an RGB Pillow image."""
+    DECODES["rows"] += 1
     return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+@dataclass(frozen=True)
+class ImageView:
+    """A picture of a row that a step reads. ``key`` says what ``prepare`` does (the same
+    key, the same pixels: two steps reading one view share its column); ``prepare`` maps
+    the decoded RGB image to it (None: as decoded). It travels to Ray tasks by pickle."""
+
+    key: str
+    prepare: Callable[[Image.Image], Image.Image] | None = field(default=None, compare=False)
+
+    @property
+    def column(self) -> str:
+        return VIEW_PREFIX + hashlib.sha1(self.key.encode()).hexdigest()[:12]
+
+    def of(self, image: Image.Image) -> Image.Image:
+        return image if self.prepare is None else self.prepare(image)
+
+    def bytes_per_row(self, side_if_unknown: int) -> int:
+        """What one row's array takes, for sizing blocks (an as-decoded picture's side is
+        not known before it is read)."""
+        side = getattr(self.prepare, "side", None) or side_if_unknown
+        return 3 * side * side
+
+
+RGB = ImageView("rgb")  # the decoded image as it is
+
+
+def resize_center_crop(image: Image.Image, side: int) -> Image.Image:
+    """Shorter side to ``side`` (bicubic), then the centre ``side`` x ``side`` square, RGB."""
+    image = image.convert("RGB")
+    width, height = image.size
+    scale = side / min(width, height)
+    size = (max(side, round(width * scale)), max(side, round(height * scale)))
+    image = image.resize(size, Image.Resampling.BICUBIC)
+    left, top = (size[0] - side) // 2, (size[1] - side) // 2
+    return image.crop((left, top, left + side, top + side))
+
+
+class SquarePicture:
+    """``prepare`` of a square view (``resize_center_crop`` at ``side``): a picture that
+    goes through it again comes back the same (Pillow copies a same-size resize)."""
+
+    def __init__(self, side: int) -> None:
+        self.side = side
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        return resize_center_crop(image, self.side)
+
+
+def square_view(side: int) -> ImageView:
+    return ImageView(f"square-bicubic:{side}", SquarePicture(side))
+
+
+def unique_views(views: Iterable[ImageView]) -> tuple[ImageView, ...]:
+    """Each view once, in first-asked order."""
+    return tuple(dict.fromkeys(views))
+
+
+def decode_views(batch: pa.Table, views: tuple[ImageView, ...]) -> pa.Table:
+    """``batch`` with a ``pixels.*`` column per view: each ok row's image decoded once and
+    prepared once per view; rows that left earlier get nulls."""
+    ok = pc.equal(batch["status"], Status.OK.value).to_numpy(zero_copy_only=False)
+    columns: dict[str, list] = {v.column: [None] * batch.num_rows for v in views}
+    data = batch["image"]
+    for i in np.flatnonzero(ok):
+        image = decode_rgb(data[int(i)].as_py())
+        for view in views:
+            columns[view.column][i] = _pixels(np.asarray(view.of(image), dtype=np.uint8))
+    for name, values in columns.items():
+        batch = batch.append_column(name, pa.array(values, PIXELS))
+    return batch
+
+
+def _pixels(array: np.ndarray) -> dict:
+    return {"height": array.shape[0], "width": array.shape[1], "data": array.tobytes()}
+
+
+def view_images(rows: pa.Table, view: ImageView) -> list[Image.Image]:
+    """The rows' pictures in ``view``: from its column when the chain decoded them, else
+    decoded and prepared here (a step called on its own)."""
+    if view.column not in rows.column_names:
+        return [view.of(decode_rgb(b)) for b in rows["image"].to_pylist()]
+    column = rows[view.column].combine_chunks()
+    heights = column.field("height").to_numpy()
+    widths = column.field("width").to_numpy()
+    data = column.field("data")
+    return [Image.fromarray(np.frombuffer(data[i].as_buffer(), np.uint8)
+                            .reshape(int(heights[i]), int(widths[i]), 3))
+            for i in range(len(column))]
 
 
 def model_device(pool: ModelPoolConfig) -> str:

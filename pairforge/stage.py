@@ -18,13 +18,14 @@ returns goes into the shard's stats under the step's name).
 
 A step also answers, from its ``StepConfig`` alone (the process section and the few
 settings of other parts it reads, by name: never the whole config), what the run around
-it needs to know: whether it runs (``enabled``), what it loads and which settings shape its output
-(``requirements``: its sources, ``sources.py``'s kinds, check themselves when preflight
-asks; the settings digest records the values and fingerprints the local files; the
-start-up line names the model), what every shard's
-stats record of it (``stage_stats``) and what the manifest says of it
-(``manifest_entries``). Preflight, the settings digest, the progress line and the manifest
-ask these; none of them names a step's models or settings.
+it needs to know: whether it runs (``enabled``), what it loads and which settings shape
+its output (``requirements``: its sources, ``sources.py``'s kinds, check themselves when
+preflight asks; the settings digest records the values and fingerprints the local files;
+the start-up line names the model), what every shard's stats record of it
+(``stage_stats``), what the manifest says of it (``manifest_entries``) and which pictures
+of a row it reads (``image_views``: the chain decodes each row once, ahead of the model
+pools, and hands them along). Preflight, the settings digest, the progress line and the
+manifest ask these; none of them names a step's models or settings.
 
 A ``ScoringStep`` can also score the whole stage in a pass of its own before the writing
 pass (a threshold learned from every score; embeddings for semantic dedup): the driver
@@ -47,6 +48,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel
 
 from pairforge.config import ModelPoolConfig, OutputConfig, ProcessConfig
+from pairforge.images import ImageView
 from pairforge.records import Status
 from pairforge.sources import ModelSource
 
@@ -129,6 +131,13 @@ class Step:
         """What it loads and which settings shape its output, as configured (also while it
         is off: its settings are recorded either way, so turning it on is one change)."""
         return Requirements()
+
+    @classmethod
+    def image_views(cls, cfg: StepConfig) -> tuple[ImageView, ...]:
+        """The pictures of a row it reads (``images.ImageView``): the chain decodes each
+        row once ahead of the model pools and prepares each view once (none: it reads no
+        image)."""
+        return ()
 
     @classmethod
     def stage_stats(cls, cfg: StepConfig) -> dict[str, Any]:

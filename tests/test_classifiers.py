@@ -343,9 +343,9 @@ def test_the_second_pass_encodes_only_rows_the_scoring_pass_did_not(models, raw,
     assert second["clip_embedding"].to_pylist()[1:] == scored["clip_embedding"].to_pylist()
     assert second["clip_embedding"][0].as_py() is None
     encoded = []
-    embed_images = step.scorer.embed_images
-    step.scorer.embed_images = lambda images: encoded.append(len(images)) or embed_images(
-        images)
+    embed_view = step.scorer.embed_view  # what the step encodes its pictures with
+    step.scorer.embed_view = lambda pictures: encoded.append(len(pictures)) or embed_view(
+        pictures)
     result = step(second)
     assert encoded == [1]  # the one row the scoring pass did not embed
     assert result["clip_embedding"].to_pylist()[1:] == scored["clip_embedding"].to_pylist()

@@ -377,13 +377,15 @@ def test_clip_grounding_reads_the_clip_steps_image_vectors(
             return set()
 
     encoded: list[int] = []
-    real = ClipScorer.embed_images
 
-    def counting(self, images):  # noqa: ANN001, ANN202
-        encoded.append(len(images))
-        return real(self, images)
+    def counting(real):  # noqa: ANN001, ANN202 - the decoded images' path and the views'
+        def count(self, images):  # noqa: ANN001, ANN202
+            encoded.append(len(images))
+            return real(self, images)
+        return count
 
-    monkeypatch.setattr(ClipScorer, "embed_images", counting)
+    monkeypatch.setattr(ClipScorer, "embed_images", counting(ClipScorer.embed_images))
+    monkeypatch.setattr(ClipScorer, "embed_view", counting(ClipScorer.embed_view))
     cfg = step_config(parse_config(_config(
         recaption_raw, tiny_captioners["blip"], tiny_clip, "unused",
         cache={"enabled": False}, grounding={"min_score": -1.0})))

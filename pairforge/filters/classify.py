@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from pairforge.batching import run_fixed
 from pairforge.config import ClassifierConfig, ModelPoolConfig
-from pairforge.images import decode_rgb, model_device, model_dtype
+from pairforge.images import RGB, ImageView, model_device, model_dtype, view_images
 from pairforge.records import Status, classifier_columns
 from pairforge.sources import TRANSFORMERS_FILES, ModelFile, ModelFolder, ModelSource
 from pairforge.stage import ModelStep, Requirements, StepConfig, StepResult, setting_values
@@ -290,6 +290,11 @@ class ClassifierStep(ModelStep):
             "rows_scored": totals.get("rows_in", 0),
             "rows_dropped": sum((totals.get("ended") or {}).values())}]}
 
+    @classmethod
+    def image_views(cls, cfg: StepConfig) -> tuple[ImageView, ...]:
+        # its image processor resizes as the model was trained: it takes the decoded image
+        return () if cls.entry(cfg).backend == "clip-head" else (RGB,)
+
     def __init__(self, cfg: StepConfig) -> None:
         super().__init__(cfg)
         self.settings = self.entry(cfg)
@@ -307,7 +312,7 @@ class ClassifierStep(ModelStep):
                                .reshape(len(have), -1)) if have else []
         else:
             have = list(range(rows.num_rows))
-            values = self.model([decode_rgb(b) for b in rows["image"].to_pylist()])
+            values = self.model(view_images(rows, RGB))
         scores: list[float | None] = [None] * rows.num_rows
         for i, value in zip(have, values, strict=True):
             scores[i] = float(np.float32(value))  # what the float32 column will hold

@@ -19,6 +19,7 @@ best`` ranks them all) from the same image embedding, and after the choice
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -27,8 +28,9 @@ from PIL import Image
 
 from pairforge.batching import run_fixed
 from pairforge.config import ClipConfig, ModelPoolConfig
+from pairforge.filters.clip_view import clip_view, split_preprocess
 from pairforge.filters.selection import kth_largest
-from pairforge.images import decode_rgb, model_device
+from pairforge.images import ImageView, model_device, view_images
 from pairforge.records import Status, process_columns
 from pairforge.sources import OpenClipModel
 from pairforge.stage import (
@@ -59,6 +61,7 @@ class ClipScorer:
         self.device = device
         self.rows = cfg.batch_size  # every forward's shape (pairforge/batching.py)
         self.name = f"{cfg.model}/{cfg.pretrained or 'random-init'}"
+        self.view, self.to_tensor = _own_view(cfg, self.preprocess)
         # bf16 on GPUs; fp32 on CPU, where bf16 is about ten times slower.
         self.autocast = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else None
 
@@ -80,6 +83,13 @@ class ClipScorer:
         batch = torch.stack([self.preprocess(im) for im in images])
         return self._run(self.model.encode_image, batch)
 
+    def embed_view(self, pictures: list[Image.Image]) -> np.ndarray:
+        """Embeddings of pictures already in ``self.view`` (resized and cropped)."""
+        import torch
+
+        return self._run(self.model.encode_image,
+                         torch.stack([self.to_tensor(p) for p in pictures]))
+
     def embed_texts(self, texts: list[str]) -> np.ndarray:
         return self._run(self.model.encode_text, self.tokenizer(texts))
 
@@ -88,6 +98,21 @@ class ClipScorer:
         image_emb = self.embed_images(images)
         text_emb = self.embed_texts(texts)
         return (image_emb * text_emb).sum(axis=1), image_emb
+
+
+def _own_view(cfg: ClipConfig, preprocess: Any) -> tuple[ImageView, Any]:
+    """The view the loaded model reads and the rest of its preprocessing. The declared view
+    (clip_view.py, what the chain prepares) when it is the same resize and crop; else one
+    of its own that the chain never prepares, so the step resizes here, as loaded."""
+    own, to_tensor = split_preprocess(preprocess)
+    declared = clip_view(cfg)
+    if declared and repr(declared[0].prepare.transform) == repr(own):
+        return declared[0], to_tensor
+    if declared:
+        logging.getLogger(__name__).warning(
+            "clip: the loaded preprocessing %r differs from the one built from the config %r;"
+            " this actor resizes its own pictures", own, declared[0].prepare.transform)
+    return ImageView(f"own:{cfg.model}:{own!r}", own), to_tensor
 
 
 def clip_embed_dim(cfg: ClipConfig) -> int | None:
@@ -143,6 +168,10 @@ class ClipStep(ScoringStep, ModelStep):
     def requirements(cls, cfg: StepConfig) -> Requirements:
         return Requirements(display=cfg.process.clip.model, sources=(clip_source(cfg),),
                             settings=setting_values(cfg.process.clip, "process.clip."))
+
+    @classmethod
+    def image_views(cls, cfg: StepConfig) -> tuple[ImageView, ...]:
+        return clip_view(cfg.process.clip)
 
     @classmethod
     def stage_stats(cls, cfg: StepConfig) -> dict[str, Any]:
@@ -247,8 +276,7 @@ class ClipStep(ScoringStep, ModelStep):
         encode = [i for i in want if i in scored_now or embeddings[i] is None]
         scores: list[float | None] = list(cached)
         if encode:
-            images = rows["image"].take(encode).to_pylist()
-            image_emb = self.scorer.embed_images([decode_rgb(b) for b in images])
+            image_emb = self.scorer.embed_view(view_images(rows.take(encode), self.scorer.view))
             at = {i: j for j, i in enumerate(encode)}
             if todo:
                 text_emb = self.scorer.embed_texts([captions[i] for i in todo])
@@ -311,6 +339,11 @@ class ClipCandidatesStep(ModelStep):
         # the clip step records the section's settings and its model; this adds none
         return Requirements(display=cfg.process.clip.model)
 
+    @classmethod
+    def image_views(cls, cfg: StepConfig) -> tuple[ImageView, ...]:
+        # encodes only the images the clip step left without a vector
+        return clip_view(cfg.process.clip)
+
     def __init__(self, cfg: StepConfig) -> None:
         super().__init__(cfg)
         self.clip_cfg = cfg.process.clip
@@ -342,8 +375,8 @@ class ClipCandidatesStep(ModelStep):
         kept = _cached(rows, "clip_embedding")
         missing = [i for i in todo if kept[i] is None]
         if missing:
-            images = [decode_rgb(b) for b in rows["image"].take(missing).to_pylist()]
-            for i, vector in zip(missing, self.scorer.embed_images(images), strict=True):
+            pictures = view_images(rows.take(missing), self.scorer.view)
+            for i, vector in zip(missing, self.scorer.embed_view(pictures), strict=True):
                 kept[i] = vector
         return [np.asarray(kept[i], dtype=np.float32) for i in todo]
 

@@ -8,11 +8,13 @@ plain Ray tasks. The frame knows nothing about which models run: a new step is a
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import pyarrow as pa
 
 from pairforge.config import ConfigError, ModelPoolConfig, PairforgeConfig
+from pairforge.images import ImageView, decode_views, unique_views
 from pairforge.pipeline.contract import TASK_CPU_RESERVE, TASK_CPUS, step_config
 from pairforge.pipeline.ray_private import cut_into_blocks
 from pairforge.stage import ModelStep, Step, StepConfig
@@ -100,19 +102,55 @@ def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
     first model step, cut the blocks into blocks of ``block_rows`` rows (or the largest
     model ``batch_size``). A shard arrives as one block, and one block goes to one actor:
     cut, it spreads over every actor of a pool, several model calls per actor task. The
-    plain steps before it stay fused with the reading task, one task per shard."""
+    plain steps before it stay fused with the reading task, one task per shard. Right after
+    the cut a CPU task decodes each row's image once into every picture the steps read
+    (``chain_views``); the last step drops those columns."""
     if not steps:
         # Ray asks a whole CPU for this task by default (see _cut_into_blocks)
         return ds.drop_columns(list(drop_after), num_cpus=TASK_CPUS)
     handed = step_config(cfg)
     batch_sizes = [s.pool_config(handed).batch_size for s in steps if issubclass(s, ModelStep)]
+    views = chain_views(steps, handed)
+    drop_after = (*drop_after, *(v.column for v in views))
     cut = False
     for i, step in enumerate(steps):
         if issubclass(step, ModelStep) and not cut:
-            ds = _cut_into_blocks(ds, max(*batch_sizes, block_rows))
+            rows = min(block_rows, view_block_rows(views))
+            ds = _decode_views(_cut_into_blocks(ds, max(*batch_sizes, rows)), views)
             cut = True
         ds = add_step(ds, step, handed, actor_cpus, drop_after if i == len(steps) - 1 else ())
     return ds
+
+
+# bench/stage3.py's "before" arm: no decoding task, each step decodes in its actor
+DECODE_IN_STEPS = "PAIRFORGE_DECODE_IN_STEPS"
+
+
+def chain_views(steps: list[type[Step]], cfg: StepConfig) -> tuple[ImageView, ...]:
+    """Every picture the chain's steps read, each once (``images.ImageView``)."""
+    if os.environ.get(DECODE_IN_STEPS):
+        return ()
+    return unique_views(v for s in steps for v in s.image_views(cfg))
+
+
+# The pictures a block carries are arrays, not JPEGs: a 256-px row is ~200 KB per view,
+# so a 1,024-row block of three views would put ~600 MB in the object store at once.
+VIEW_BLOCK_BYTES = 64 * 1024**2
+VIEW_SIDE_IF_UNKNOWN = 512  # an as-decoded picture's side, for sizing only
+
+
+def view_block_rows(views: tuple[ImageView, ...]) -> int:
+    """Rows per block that keep a block's pictures near ``VIEW_BLOCK_BYTES``."""
+    per_row = sum(v.bytes_per_row(VIEW_SIDE_IF_UNKNOWN) for v in views)
+    return max(1, VIEW_BLOCK_BYTES // per_row) if per_row else BLOCK_ROWS
+
+
+def _decode_views(ds: Any, views: tuple[ImageView, ...]) -> Any:
+    # a CPU task per block ahead of the pools: decoding overlaps the models' work
+    if not views:
+        return ds
+    return ds.map_batches(decode_views, batch_size=None, batch_format="pyarrow",
+                          fn_kwargs={"views": views}, num_cpus=TASK_CPUS)
 
 
 def _cut_into_blocks(ds: Any, rows: int) -> Any:

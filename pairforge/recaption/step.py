@@ -29,7 +29,8 @@ from PIL import Image
 
 from pairforge.config import ModelPoolConfig
 from pairforge.filters.clip import ClipScorer, clip_source
-from pairforge.images import decode_rgb, model_device
+from pairforge.filters.clip_view import clip_view
+from pairforge.images import RGB, ImageView, model_device, view_images
 from pairforge.recaption.cache import CachedCaption, build_id, cache_dir, write_part
 from pairforge.recaption.cache_lookup import IndexedCaptionCache
 from pairforge.recaption.checked import CheckedCaptioner, failed
@@ -173,6 +174,17 @@ class RecaptionStep(ModelStep):
         return {"models": {"recaption": rc.model if rc.enabled else None}}
 
     @classmethod
+    def image_views(cls, cfg: StepConfig) -> tuple[ImageView, ...]:
+        """The decoded image for the captioner (its processor resizes), and CLIP's picture
+        where CLIP encodes images here: the embedding tier's or clip grounding's vectors
+        (the clip step's column when it runs: the same view)."""
+        rc = cfg.process.recaption
+        clip_here = (rc.cache.enabled and rc.cache.embedding_threshold is not None
+                     and rc.embedding_source == "clip") or (
+            rc.grounding.enabled and rc.grounding.backend == "clip")
+        return (RGB, *(clip_view(cfg.process.clip) if clip_here else ()))
+
+    @classmethod
     def concurrent_batches(cls, cfg: StepConfig) -> int:
         """A server's actor works on several batches at once, so that its
         ``openai.concurrency`` requests stay in flight while a batch waits for its slowest
@@ -193,7 +205,9 @@ class RecaptionStep(ModelStep):
                                          rc.cache.phash_distance, rc.cache.embedding_threshold)
         self.embed_tier = rc.cache.enabled and rc.cache.embedding_threshold is not None
         self.embed_source = rc.embedding_source
-        self.registry = find_registry(registry_name(cfg, self.column))
+        # with dedup on, build_scope starts no registry: nothing to look for (nor a Ray to ask)
+        self.registry = (None if cfg.exact_dedup
+                         else find_registry(registry_name(cfg, self.column)))
         # concurrent batches (concurrent_batches): the cache's partition LRU is not
         # thread-safe; model calls take self.checked.lock; registry calls are Ray's
         self.cache_lock = threading.Lock()
@@ -256,7 +270,7 @@ class RecaptionStep(ModelStep):
                       vectors: dict[int, Any]) -> dict[int, CachedCaption]:
         if not indices:
             return {}
-        images = [decode_rgb(b) for b in rows["image"].take(indices).to_pylist()]
+        images = view_images(rows.take(indices), RGB)
         given = self._clip_vectors(rows, indices, vectors)
         return dict(zip(indices, self.caption_images(images, given), strict=True))
 
@@ -281,7 +295,7 @@ class RecaptionStep(ModelStep):
         if not self.embed_tier or not indices:
             return {}
         if self.embed_source == "captioner":
-            images = [decode_rgb(b) for b in rows["image"].take(indices).to_pylist()]
+            images = view_images(rows.take(indices), RGB)
             return dict(zip(indices, self.checked.captioner.image_embeddings(images),
                             strict=True))
         kept = (rows["clip_embedding"].to_pylist() if "clip_embedding" in rows.column_names
@@ -290,8 +304,8 @@ class RecaptionStep(ModelStep):
                    if kept[i] is not None}
         missing = [i for i in indices if i not in vectors]
         if missing:
-            images = [decode_rgb(b) for b in rows["image"].take(missing).to_pylist()]
-            vectors.update(zip(missing, self.clip.embed_images(images), strict=True))
+            pictures = view_images(rows.take(missing), self.clip.view)
+            vectors.update(zip(missing, self.clip.embed_view(pictures), strict=True))
         return vectors
 
     def process(self, rows: pa.Table) -> StepResult:

@@ -12,7 +12,7 @@ import json
 import pyarrow as pa
 
 from pairforge.config import ModelPoolConfig
-from pairforge.images import decode_rgb, model_device
+from pairforge.images import RGB, ImageView, model_device, square_view, view_images
 from pairforge.records import process_columns
 from pairforge.sources import TOKENIZER_FILES, WEIGHT_FILES, ModelFolder, ModelSource
 from pairforge.stage import ModelStep, Requirements, StepConfig, StepResult, setting_values
@@ -48,14 +48,28 @@ class TokenizeStep(ModelStep):
         self.image_tokenizer = load_image_tokenizer({
             **tok.image.model_dump(), "device": model_device(tok), "batch_size": tok.batch_size})
         self.text_tokenizer = load_text_tokenizer(tok.text.model_dump())
+        self.view = (square_view(self.image_tokenizer.resolution)
+                     if tok.image.backend == "pairforge-vq" else RGB)
         # the layout travels with the results (on each shard's first row in a batch) into
         # every shard's stats: the manifest is built from those, without loading a model on
         # the driver
         self.layout = json.dumps(VocabLayout.from_tokenizers(
             self.text_tokenizer, self.image_tokenizer).to_manifest(), sort_keys=True)
 
+    @classmethod
+    def image_views(cls, cfg: StepConfig) -> tuple[ImageView, ...]:
+        """Our VQ's square at its resolution (read from the checkpoint's config.json); a
+        transformers VQ's processor takes the decoded image."""
+        tok = cfg.process.tokenize
+        if tok.image is None or tok.image.backend != "pairforge-vq":
+            return (RGB,)
+        try:
+            return (square_view(int(vqvae_config(tok.image.path_or_id)["resolution"])),)
+        except (OSError, ValueError, KeyError):
+            return ()  # preflight says what is wrong with the folder; the step decodes itself
+
     def process(self, rows: pa.Table) -> StepResult:
-        images = [decode_rgb(b) for b in rows["image"].to_pylist()]
+        images = view_images(rows, self.view)
         grids = self.image_tokenizer.encode(images)
         captions = [self.text_tokenizer.encode(c) if c else [] for c in
                     rows["train_caption"].to_pylist()]
@@ -67,6 +81,12 @@ class TokenizeStep(ModelStep):
             "n_caption_tokens": [len(c) for c in captions],
             "vocab_layout": [self.layout if first else None for first in _shard_starts(rows)],
         })
+
+
+def vqvae_config(path: str) -> dict:
+    from pairforge.tokenizers.vqvae import read_config  # imports torch
+
+    return read_config(path)
 
 
 def tokenizer_sources(cfg: StepConfig) -> tuple[ModelSource, ...]:

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from pairforge.batching import run_fixed
+from pairforge.images import resize_center_crop
 from pairforge.tokenizers import vqvae
 from pairforge.tokenizers.base import (
     ImageTokenizer,
@@ -17,17 +18,6 @@ from pairforge.tokenizers.base import (
     state_dict_sha256,
     to_uint8_image,
 )
-
-
-def resize_center_crop(image: Image.Image, side: int) -> Image.Image:
-    """Shorter side to ``side`` (bicubic), then the centre ``side`` x ``side`` square, RGB."""
-    image = image.convert("RGB")
-    width, height = image.size
-    scale = side / min(width, height)
-    size = (max(side, round(width * scale)), max(side, round(height * scale)))
-    image = image.resize(size, Image.Resampling.BICUBIC)
-    left, top = (size[0] - side) // 2, (size[1] - side) // 2
-    return image.crop((left, top, left + side, top + side))
 
 
 def preprocessing_description(resolution: int) -> dict[str, Any]:
