@@ -58,8 +58,12 @@ def _main(version: Annotated[bool, typer.Option(
         help="print the version and exit")] = False) -> None:
     """Build image-text pretraining shards for unified autoregressive models."""
 ForceOpt = Annotated[bool, typer.Option(
-    "--force", help="redo complete shards made under other settings (without it such a "
-    "rerun stops before any work and names what changed)")]
+    "--force", help="redo every shard, complete or not, whatever settings it was made "
+    "under")]
+RedoChangedOpt = Annotated[bool, typer.Option(
+    "--redo-changed", help="redo the complete shards made under other settings and keep "
+    "the rest (without it, or --force, such a rerun stops before any work and names what "
+    "changed)")]
 
 
 def _user_error(err: Exception) -> typer.Exit:
@@ -105,8 +109,10 @@ def _run_guarded(fn, *args):  # noqa: ANN001, ANN202
         raise _user_error(err) from None
 
 
-def _options(force: bool, quiet: bool) -> RunOptions:
-    return RunOptions(force=force, show_progress=not quiet)
+def _options(force: bool, quiet: bool, redo_changed: bool = False) -> RunOptions:
+    """``--force`` redoes every shard (so the changed ones too); ``--redo-changed`` only the
+    shards made under other settings."""
+    return RunOptions(force=force or redo_changed, redo_all=force, show_progress=not quiet)
 
 
 def _preflight(cfg: PairforgeConfig, stage: str) -> None:
@@ -118,7 +124,8 @@ def _preflight(cfg: PairforgeConfig, stage: str) -> None:
 
 @app.command()
 def download(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
-             force: ForceOpt = False, retry_failed: Annotated[bool, typer.Option(
+             force: ForceOpt = False, redo_changed: RedoChangedOpt = False,
+             retry_failed: Annotated[bool, typer.Option(
                  "--retry-failed", help="fetch again only the rows of complete shards "
                  "whose failure may pass (timeout, connection, 429, 5xx, host_paused) and "
                  "rewrite those shards with the same keys")] = False) -> None:
@@ -126,10 +133,13 @@ def download(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
     from pairforge.pipeline.download_stage import run_download
     from pairforge.pipeline.retry_failed import run_retry_failed
 
+    if force and retry_failed:
+        raise _user_error(ValueError("--force redoes every shard and --retry-failed only the "
+                                     "failures of complete ones: give one of them"))
     cfg = _load(config, set_)
     _preflight(cfg, "download")
     runner = run_retry_failed if retry_failed else run_download
-    _print_stage("download", _run_guarded(runner, cfg, _options(force, quiet)),
+    _print_stage("download", _run_guarded(runner, cfg, _options(force, quiet, redo_changed)),
                  cfg.output.path)
 
 
@@ -149,7 +159,8 @@ def _print_dedup(stats: dict[str, Any], out: str) -> None:
 @app.command()
 def dedup(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
           force: Annotated[bool, typer.Option(
-              "--force", help="redo even when a finished dedup matches the inputs")] = False,
+              "--force", help="redo even when a finished dedup matches the inputs (it redoes "
+              "itself when they changed)")] = False,
           ) -> None:
     """Stage 2: exact and near duplicates from the raw shards' hashes (redone when the raw
     shards, the index files or the dedup config changed since the last run)."""
@@ -162,19 +173,19 @@ def dedup(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
 
 @app.command()
 def process(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
-            force: ForceOpt = False) -> None:
+            force: ForceOpt = False, redo_changed: RedoChangedOpt = False) -> None:
     """Stage 3: filters and model steps over the raw shards into training shards."""
     from pairforge.pipeline.process import run_process
 
     cfg = _load(config, set_)
     _preflight(cfg, "process")
-    _print_stage("process", _run_guarded(run_process, cfg, _options(force, quiet)),
+    _print_stage("process", _run_guarded(run_process, cfg, _options(force, quiet, redo_changed)),
                  cfg.output.path)
 
 
 @app.command()
 def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
-          force: ForceOpt = False) -> None:
+          force: ForceOpt = False, redo_changed: RedoChangedOpt = False) -> None:
     """Run every stage in order; complete shards of earlier runs are skipped."""
     from pairforge.pipeline.dedup_stage import run_dedup_stage
     from pairforge.pipeline.download_stage import run_download
@@ -186,10 +197,11 @@ def build(config: ConfigArg, set_: SetOpt = None, quiet: QuietOpt = False,
     _run_guarded(check_process_placement, cfg)  # stage 3's GPUs, also before stage 1
     # every stage's complete shards are checked now, once: a stage-3 change stops the build
     # before stage 1, not after it, and the stages do not read the stats files again
-    run = _run_guarded(check_settings, cfg, ("download", "process"), _options(force, quiet))
+    run = _run_guarded(check_settings, cfg, ("download", "process"),
+                       _options(force, quiet, redo_changed))
     _print_stage("download", _run_guarded(run_download, cfg, run), cfg.output.path)
-    # --force is about settings here; dedup redoes itself when the raw shards changed
-    _print_dedup(_run_guarded(run_dedup_stage, cfg, replace(run, force=False)),
+    # dedup redoes itself when the raw shards changed; --force redoes it whatever
+    _print_dedup(_run_guarded(run_dedup_stage, cfg, replace(run, force=run.redo_all)),
                  cfg.output.path)
     _print_stage("process", _run_guarded(run_process, cfg, run), cfg.output.path)
     out = cfg.output.path

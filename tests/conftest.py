@@ -158,6 +158,7 @@ FAST_LOOP_LEAVES_OUT: dict[str, tuple[str, ...]] = {
         "tests/test_retry_failed.py", "tests/test_robots.py", "tests/test_semantic_dedup.py",
         "tests/test_serve.py", "tests/test_serve_hostile.py", "tests/test_train_run.py",
         "tests/test_failure_breakdown.py::test_inspect_and_report_show_the_top_hosts_with_statuses",
+        "tests/test_force_flags.py::test_process_force_on_a_finished_build_redoes_it",
         "tests/test_preflight.py::test_build_stops_before_downloading_anything",
         "tests/test_recaption_first.py::test_a_recaptioning_build_keeps_every_image_whose_alt_text_is_junk",
         "tests/test_recaption_first.py::test_best_of_two_prompts_and_the_alt_text_through_a_build",

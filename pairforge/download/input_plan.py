@@ -11,7 +11,8 @@ starting a fresh shard after the last one; a recorded file that is gone or whose
 count changed stops the run before any work, naming the file (a file repaired in place,
 with the same rows, is read as it is now, as before). The record binds once a raw shard
 is complete: before that, and with another ``input.shard_size`` (stage 1's settings
-check then stops the run or, with ``--force``, redoes the shards), the run plans afresh.
+check then stops the run or, with ``--redo-changed`` or ``--force``, redoes the shards),
+the run plans afresh.
 
 The record holds one entry per input file (a plan, like the shard list the driver holds
 anyway), never rows.

@@ -160,8 +160,8 @@ def _is_folder(form: str) -> bool:
 
 
 # In the opt-out lists' settings fingerprint: how a line reads. A rule that changes what a
-# line opts out changes the fingerprint, so a rerun redoes (or, without --force, refuses)
-# the shards made under the old reading.
+# line opts out changes the fingerprint, so a rerun redoes (or, without --redo-changed,
+# refuses) the shards made under the old reading.
 _OPT_OUT_RULES = b"folder-lines-are-prefixes"
 
 

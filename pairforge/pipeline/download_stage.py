@@ -127,7 +127,8 @@ def load_lists_once(cfg: PairforgeConfig) -> Any:  # a Ray ObjectRef, or None
 
 def run_download(cfg: PairforgeConfig, run: RunOptions) -> dict[str, Any]:
     """Stage 1 over every shard not yet complete under these settings (``run.force``: redo
-    the shards made under others; else they stop it); returns the funnel of all shards."""
+    the shards made under others, else they stop it; ``run.redo_all``: redo every shard);
+    returns the funnel of all shards."""
     check_settings(cfg, ("download",), run)
     with run_log(cfg, "download") as log:
         return {**_download(cfg, run.show_progress), "log": log}

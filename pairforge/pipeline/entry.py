@@ -18,14 +18,17 @@ from pairforge.shards.storage import OutputDir
 class RunOptions:
     """How a run goes, whichever stages it runs.
 
-    ``force``: redo complete shards made under other settings (stage 2: redo a finished
-    dedup even when it matches its inputs). ``show_progress``: the live display, else plain
-    lines. ``checked``: the stages whose settings this run has already checked
-    (``settings.check_settings`` returns the options with them added), so that the check
-    reads the stats files once per run: ``build`` checks every stage before stage 1.
+    ``force``: redo complete shards made under other settings (``--redo-changed``; stage
+    2: redo a finished dedup even when it matches its inputs). ``redo_all``: redo every
+    shard, complete or not, whatever its settings (``--force``, which sets ``force`` too).
+    ``show_progress``: the live display, else plain lines. ``checked``: the stages whose
+    settings this run has already checked (``settings.check_settings`` returns the options
+    with them added), so that the check reads the stats files once per run: ``build``
+    checks every stage before stage 1.
     """
 
     force: bool = False
+    redo_all: bool = False
     show_progress: bool = True
     checked: frozenset[str] = frozenset()
 

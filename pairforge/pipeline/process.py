@@ -80,7 +80,8 @@ def dataset_manifest(out: OutputDir, cfg: PairforgeConfig,
 
 def run_process(cfg: PairforgeConfig, run: RunOptions) -> dict[str, Any]:
     """Stage 3 over every complete raw shard that has no complete output shard made under
-    these settings (``run.force``: redo the shards made under others; else they stop it)."""
+    these settings (``run.force``: redo the shards made under others, else they stop it;
+    ``run.redo_all``: redo every shard)."""
     check_model_sources(cfg)
     check_settings(cfg, ("process",), run)
     with run_log(cfg, "process") as log:

@@ -4,10 +4,11 @@ A rerun skips a complete shard only if it was made under the same settings: the 
 values that decide the stage's bytes (not how fast they are made: threads, pool and batch
 sizes, CPUs, timeouts), the fingerprints of the local model files it loads, and for
 stage 3 the settings of the raw shard it was made from. On a difference the run stops
-before any work and names the changed keys and the shards affected; ``--force`` redoes
-those shards instead. Stage 2 and the semantic pass, each one output made from all its
-inputs, use the same digest over their config section and declared inputs
-(:func:`inputs_digest`): a finished run is reused while it matches, else redone.
+before any work and names the changed keys and the shards affected; ``--redo-changed``
+redoes those shards instead, and ``--force`` every shard of the stage. Stage 2 and the
+semantic pass, each one output made from all its inputs, use the same digest over their
+config section and declared inputs (:func:`inputs_digest`): a finished run is reused while
+it matches, else redone.
 """
 
 from __future__ import annotations
@@ -190,8 +191,8 @@ def check_rerun(out: OutputDir, checks: list[Check], force: bool) -> dict[str, l
     if found and not force:
         raise SettingsChanged(" ".join(_describe(stage, folder, out, changed)
                                        for stage, folder, changed in found)
-                              + " Rerun with --force to redo them, or write to another "
-                              "output.path.")
+                              + " Rerun with --redo-changed to redo them (--force redoes "
+                              "every shard), or write to another output.path.")
     for _, folder, changed in found:
         for shard_id in changed:
             out.remove(folder, stats_name(shard_id))
@@ -263,6 +264,23 @@ def check_settings(cfg: PairforgeConfig, stages: tuple[str, ...],
             done &= completed_shards(out, RAW_FOLDER)
         checks.append(("process", SHARDS_FOLDER, process_expected(out, cfg, done, raw_digest)))
     check_rerun(out, checks, run.force)
+    if run.redo_all:
+        mark_all_incomplete(out, stages)
     if "process" in stages:
         drop_stale_scores(out, cfg, raw_digest)
     return replace(run, checked=run.checked | set(stages))
+
+
+def mark_all_incomplete(out: OutputDir, stages: tuple[str, ...]) -> None:
+    """``--force``: every complete shard of the stages loses its stats file, so the run
+    redoes it whole; a redone raw shard's training shard too (it was made from the raw
+    shard's old bytes). Cached CLIP scores go with their training shards."""
+    folders = {RAW_FOLDER, SHARDS_FOLDER} if "download" in stages else {SHARDS_FOLDER}
+    for folder in sorted(folders):
+        for shard_id in sorted(completed_shards(out, folder)):
+            out.remove(folder, stats_name(shard_id))
+    for name in out.glob(f"{SCORES_FOLDER}/*.parquet"):
+        shard = name.split(".")[0]
+        out.remove(SCORES_FOLDER, name)
+        out.remove(EMBEDDINGS_FOLDER, f"{shard}.npy")
+        out.remove(EMBEDDINGS_FOLDER, f"{shard}_keys.json")
