@@ -279,6 +279,40 @@ def test_a_coordinator_that_does_not_answer_leaves_the_per_task_rule(server, cap
     assert "per-task rule" in caplog.text
 
 
+class MalformedLink(LocalLink):
+    """Grants without their fields: the lease thread's own code fails on them."""
+
+    def exchange_all(self, task, asks):  # noqa: ANN001, ANN201
+        return {shard: [{"host": a["host"]} for a in batch] for shard, batch in asks.items()}
+
+
+def test_a_lease_thread_that_fails_leaves_the_per_task_rule_not_a_hang(server, caplog):
+    cfg = _cfg(per_host_requests_per_s=50.0, host_failures=5)
+    (fetcher,) = _tasks(MalformedLink(Limits.of(cfg)), cfg,
+                        [[server.url(f"/n/{i}") for i in range(4)]])
+    assert [r.status for r in fetcher.results] == [Status.OK] * 4
+    assert "per-task rule from now on" in caplog.text
+
+
+def test_nodes_of_a_run_fetch_each_policy_file_once_through_the_coordinator(tmp_path, server):
+    """Two gates with node caches of their own (two nodes) and one coordinator: robots.txt
+    and tdmrep.json are requested once; the second node's gate fetched nothing."""
+    from pairforge.download.consent import ConsentGate
+
+    cfg = DownloadConfig(allow_addresses=[f"{HOST}/32"], timeout=2.0)
+    link = LocalLink(Limits.of(cfg))
+    origin = ("http", HOST, server.port)
+    gates = [ConsentGate(cfg, tmp_path / f"node{i}", link=link) for i in range(2)]
+    try:
+        assert all(g.admit(server.url("/n/1"), origin) is None for g in gates)
+    finally:
+        for gate in gates:
+            gate.close()
+    assert (server.hits("/robots.txt"), server.hits("/.well-known/tdmrep.json")) == (1, 1)
+    assert [g.stats()["fetched"] for g in gates] == [
+        {"/robots.txt": 1, "/.well-known/tdmrep.json": 1}, {}]
+
+
 # ------------------------------------------------------------- stage 1 on Ray, run-wide
 
 

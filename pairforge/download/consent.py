@@ -128,7 +128,7 @@ class FileCache:
         if self.link is None:
             return self._on_node(origin, path)
         key, shard = origin_url(origin) + path, shard_of(origin[1], self.link.shards)
-        waited_until = time.monotonic() + FILE_CLAIM_S
+        waited_until, pause = time.monotonic() + FILE_CLAIM_S, 0.05
         try:
             while True:
                 state, entry = self.link.get_file(shard, key, self.ttl)
@@ -138,7 +138,10 @@ class FileCache:
                     found = self._on_node(origin, path)
                     self.link.put_file(shard, key, found.__dict__)
                     return found
-                time.sleep(0.05)  # another task fetches it: its answer comes soon
+                # another task fetches it; asked again less and less often, so that many
+                # tasks waiting on a slow origin do not flood its coordinator
+                time.sleep(pause)
+                pause = min(1.0, pause * 2)
         except Exception as err:  # noqa: BLE001 - a coordinator lost: this node's cache
             log.warning("host coordinator of %s did not answer for %s (%s): read through "
                         "this node's cache", origin_url(origin), path, err)

@@ -130,6 +130,7 @@ class HostLeases:
         self._down_until: dict[int, float] = {}
         self._wake = threading.Event()
         self._closed = False
+        self._broken = False  # the thread stopped on a bug: every host per task
         self._thread = threading.Thread(target=self._run, name="host-leases", daemon=True)
         self._thread.start()
 
@@ -139,6 +140,8 @@ class HostLeases:
         """The host's live grant; ``FALLBACK``; or None: the first grant is on its way
         (wait on ``changed``)."""
         now = time.monotonic()
+        if self._broken:
+            return FALLBACK
         entry = self._entries.get(host)
         if entry is None:
             entry = self._entries[host] = _Entry()
@@ -181,6 +184,16 @@ class HostLeases:
     # the thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # a bug here must not leave rows waiting for a grant forever
+            log.exception("host leases of task %s stopped: the per-task rule from now on",
+                          self.task)
+            with self.changed:
+                self._broken = True
+                self.changed.notify_all()
+
+    def _loop(self) -> None:
         while True:
             self._wake.wait(TICK_S)
             self._wake.clear()
