@@ -162,7 +162,7 @@ class Urllib3Fetcher(Fetcher):
         return pool
 
     def _attempt(self, target: _Target) -> FetchResult | _Redirect:
-        with self._host_slot(target.host):
+        with self.hosts.slot(target.host):
             _local.deadline_at = time.monotonic() + self.cfg.timeout
             response = self._send(target)
             try:

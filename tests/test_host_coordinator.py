@@ -313,6 +313,34 @@ def test_nodes_of_a_run_fetch_each_policy_file_once_through_the_coordinator(tmp_
         {"/robots.txt": 1, "/.well-known/tdmrep.json": 1}, {}]
 
 
+def test_a_crawl_delay_spaces_the_requests_of_every_node(tmp_path, images):
+    """robots.txt asks for 0.2 s between requests; two tasks on two nodes (node caches of
+    their own, so no shared spacing file): the coordinator makes the delay the host's rate
+    for the run, and the server sees the requests of both 0.2 s apart."""
+    from pairforge.download.consent import ConsentGate
+
+    class Polite(CountingServer):
+        def _route_robots_txt(self, handler, rest, query) -> None:  # noqa: ANN001
+            handler.send_body(200, b"User-agent: *\nCrawl-delay: 0.2\n", "text/plain")
+
+    cfg = DownloadConfig(allow_addresses=[f"{HOST}/32"], tdm=False, retries=0)
+    link = LocalLink(Limits.of(cfg))
+    with Polite(images) as server:
+        gates = [ConsentGate(cfg, tmp_path / f"node{i}", link=link) for i in range(2)]
+        fetchers = [Fetcher(cfg, gate=g, hosts=HostPolicy(cfg, link)) for g in gates]
+        urls = [server.url(f"/n/{t}-{i}") for t in range(2) for i in range(4)]
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda u: fetchers[int(u.rsplit("/", 1)[1][0])].fetch(u),
+                                    urls))
+        for fetcher, gate in zip(fetchers, gates, strict=True):
+            fetcher.close()
+            gate.close()
+    assert [r.status for r in results] == [Status.OK] * 8
+    times = sorted(t for t, p in server.arrivals if p.startswith("/n/"))
+    # the client spaces the sends; 30 ms covers scheduling between send and arrival
+    assert min(b - a for a, b in zip(times, times[1:], strict=False)) >= 0.2 - 0.03
+
+
 # ------------------------------------------------------------- stage 1 on Ray, run-wide
 
 

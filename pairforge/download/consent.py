@@ -11,8 +11,10 @@ every image request:
   the run (2.3.1.4), and those rows keep the status of that failure (``http_error``,
   ``timeout``, ``download_error``, ``blocked_address``), with an error naming robots.txt,
   so that they count as transient failures of the host, not as its consent. ``Crawl-delay``
-  (or a slower ``Request-rate``) becomes the minimum spacing of requests to that origin,
-  kept across the node's shard tasks of the run (a spacing file per origin).
+  (or a slower ``Request-rate``) becomes the minimum spacing of requests to that origin:
+  in a run on Ray, the host's rate for the whole run where it is slower than the cap
+  (the host's coordinator divides it among the tasks, ``download/host_coordinator.py``);
+  else kept across the node's shard tasks of the run (a spacing file per origin).
 * ``/.well-known/tdmrep.json`` (``download.tdm``): a path under a rule with
   ``tdm-reservation: 1`` ends ``opted_out``, reason ``tdm``, with no request; a missing or
   unreadable file means no reservation. (The ``tdm-reservation`` response header is the
@@ -237,6 +239,9 @@ class ConsentGate:
                                f"reserves TDM rights under {rule.location}{policy}",
                                opt_out_reason="tdm")
         return None
+
+    def spacing(self, origin: Origin) -> float:
+        return self._rules(origin).delay
 
     def pace(self, origin: Origin) -> None:
         rules = self._rules(origin)

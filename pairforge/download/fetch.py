@@ -98,6 +98,9 @@ class RequestGate(Protocol):
     def pace(self, origin: Origin) -> None:
         """Wait until a request to ``origin`` keeps its spacing (Crawl-delay)."""
 
+    def spacing(self, origin: Origin) -> float:
+        """Seconds between requests to ``origin`` (Crawl-delay; 0: none)."""
+
 
 def robots_opt_out(values: Iterable[str], directives: Iterable[str],
                    agents: Iterable[str]) -> str | None:
@@ -568,9 +571,11 @@ class Fetcher:
     def _attempt(self, target: _Target) -> FetchResult | _Redirect:
         """One request/response exchange, holding one of the host's slots throughout."""
         with self.hosts.slot(target.host):
-            self.hosts.take_token(target.host)
-            if self.gate:
-                self.gate.pace(target.key)  # inside the slot: the spacing holds on the wire
+            spacing = self.gate.spacing(target.key) if self.gate else 0.0
+            # inside the slot: the rate and the spacing hold on the wire; a host whose
+            # run-wide rate took the spacing in is not paced again per node
+            if not self.hosts.take_token(target.host, spacing) and self.gate:
+                self.gate.pace(target.key)
             deadline_at = time.monotonic() + self.cfg.timeout
             conn, response = self._send(target, deadline_at)
             try:

@@ -11,7 +11,9 @@ so that no request waits on a remote call. :class:`HostBook` is the arithmetic:
   remainder by a fixed order of the tasks). A new holder is given only what the live
   leases leave free, so the grants never add up to more than the rate; the holders'
   shares shrink to theirs as they renew (every half lease), and the rest goes to the
-  newcomer at its next ask. The burst is divided in proportion.
+  newcomer at its next ask. The burst is divided in proportion. Where the host's
+  robots.txt asks for a slower pace (``Crawl-delay``, which the tasks report), that is
+  the rate divided, with no burst.
 * **Connections.** ``per_host_connections`` is divided the same way, in whole
   connections.
 * With more holders than units (requests a second, connections), the units go to the
@@ -90,6 +92,7 @@ class _Host:
     paused_until: float = 0.0
     given_up: bool = False
     touched: float = 0.0
+    spacing: float = 0.0  # robots.txt's Crawl-delay, the longest a task reported
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class HostBook:
             if ask.get("release"):
                 host.holders.pop(task, None)
                 continue
+            host.spacing = max(host.spacing, ask.get("spacing", 0.0))
             counted = self._breaker(host, ask, now)
             holder = host.holders.setdefault(task, _Holder())
             self._share(host, task, holder, now)
@@ -142,13 +146,22 @@ class HostBook:
 
     # shares ---------------------------------------------------------------------------
 
+    def rate_of(self, host: _Host) -> tuple[float | None, float]:
+        """The host's rate and burst for the run: the cap, or robots.txt's Crawl-delay
+        where that is slower (one request per delay, no burst)."""
+        rate, burst = self.limits.rate, self.limits.burst
+        if host.spacing > 0 and (rate is None or 1.0 / host.spacing < rate):
+            return 1.0 / host.spacing, 1.0
+        return rate, burst
+
     def _share(self, host: _Host, task: str, holder: _Holder, now: float) -> None:
         limits, others = self.limits, [h for t, h in host.holders.items() if t != task]
         holder.expires = now + self.lease_s
         n = len(others) + 1
-        if limits.rate is not None:
-            share = _divide(limits.rate, n, _rank(host, task, n > limits.rate, "rate"))
-            holder.rate = max(0.0, min(share, limits.rate - sum(h.rate for h in others)))
+        rate, _ = self.rate_of(host)
+        if rate is not None:
+            share = _divide(rate, n, _rank(host, task, n > rate, "rate"))
+            holder.rate = max(0.0, min(share, rate - sum(h.rate for h in others)))
             if holder.rate:
                 holder.served_rate = now
         share = _divide(limits.connections, n,
@@ -207,9 +220,9 @@ class HostBook:
 
     def _grant(self, name: str, host: _Host, holder: _Holder, counted: bool,
                now: float) -> dict[str, Any]:
-        return {"host": name, "rate": holder.rate if self.limits.rate is not None else None,
-                "burst": (self.limits.burst * holder.rate / self.limits.rate
-                          if self.limits.rate else self.limits.burst),
+        rate, burst = self.rate_of(host)
+        return {"host": name, "rate": holder.rate if rate is not None else None,
+                "burst": burst * holder.rate / rate if rate else burst,
                 "connections": holder.connections, "lease_s": self.lease_s,
                 "opened": host.opened, "pause_left": max(0.0, host.paused_until - now),
                 "given_up": host.given_up, "counted": counted}

@@ -94,11 +94,14 @@ class _Entry:
     failures: int = 0  # breaker reports not yet sent
     success: bool = False
     opened: int | None = None
+    spacing: float = 0.0  # robots.txt's Crawl-delay, sent with every ask
 
     def ask(self, host: str, release: bool) -> dict[str, Any]:
         ask: dict[str, Any] = {"host": host}
         if release:
             ask["release"] = True
+        if self.spacing > 0:
+            ask["spacing"] = self.spacing
         if self.failures or self.success:
             ask.update(failures=self.failures, success=self.success)
         if self.opened is not None:
@@ -162,6 +165,14 @@ class HostLeases:
         else:  # failures before a success no longer count
             entry.failures, entry.success = 0, True
         self._wake.set()
+
+    def spacing(self, host: str, seconds: float) -> None:
+        """The host's Crawl-delay, for its coordinator to take into the host's rate."""
+        entry = self._entries.setdefault(host, _Entry(last_used=time.monotonic()))
+        if seconds > entry.spacing:
+            entry.spacing = seconds
+            entry.grant = None  # ask again at once: the rate it was granted is too fast
+            self._wake.set()
 
     def opened(self, host: str, number: int) -> None:
         entry = self._entries.setdefault(host, _Entry(last_used=time.monotonic()))
@@ -251,10 +262,13 @@ class HostLeases:
             if self._down_until.pop(shard, None) is not None:
                 log.warning("host coordinator %d answers again: its hosts take leases "
                             "again", shard)
+            asked = {ask["host"]: ask for ask in batch}
             for grant in result:
                 entry = self._entries.get(grant["host"])
                 if entry is None:
                     continue  # released meanwhile
+                if entry.spacing > asked.get(grant["host"], {}).get("spacing", 0.0):
+                    continue  # granted before the coordinator knew the Crawl-delay
                 entry.grant, entry.fallback = grant, False
                 entry.expires = sent_at + grant["lease_s"]
                 entry.renew_at = sent_at + grant["lease_s"] / 2

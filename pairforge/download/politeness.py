@@ -16,7 +16,9 @@ the log says so), applies the same settings to itself alone: the **per-task rule
   tasks together stay within the rate; a waiting request re-reads the share, so a share
   that shrinks applies at once. It sits beside the connection budget
   (``per_host_connections``, divided the same way in whole connections) and robots.txt's
-  Crawl-delay (``download/consent.py``, kept per node): a request waits for all three.
+  Crawl-delay (``download/consent.py``): a request waits for all three. Under a lease the
+  Crawl-delay is part of the host's run-wide rate (the coordinator divides the slower of
+  the two); under the per-task rule the gate keeps it per node.
 * **Backoff** on 429/5xx and refused or cut connections without Retry-After: "full
   jitter", a uniform delay in [0, ``backoff`` x 2^attempt] (``pairforge/backoff.py``, the
   one backoff rule), so the threads and tasks that failed together do not come back
@@ -122,13 +124,19 @@ class HostPolicy:
 
     # the rate cap ---------------------------------------------------------------------
 
-    def take_token(self, host: str) -> None:
+    def take_token(self, host: str, spacing: float = 0.0) -> bool:
         """Wait until ``host``'s bucket holds a token, and take it. The wait re-reads the
-        host's share each time round: a share that shrank applies to waiting requests."""
-        if self.rate is None:
-            return
+        host's share each time round: a share that shrank applies to waiting requests.
+        ``spacing``: robots.txt's Crawl-delay for the host (seconds between requests).
+        True when the host's run-wide rate took the spacing in (its coordinator divides
+        the slower of the cap and the spacing); False: the gate keeps the spacing itself
+        (per node, ``consent.ConsentGate.pace``)."""
+        if self.rate is None and spacing <= 0:
+            return False
         started, waited = time.monotonic(), False
         with self._changed:
+            if spacing > 0 and self.leases is not None:
+                self.leases.spacing(host, spacing)
             while True:
                 limits = self._limits(host)
                 now = time.monotonic()
@@ -136,7 +144,9 @@ class HostPolicy:
                     self._changed.wait(0.1)
                     waited = True
                     continue
-                rate = limits.rate or 0.0
+                if limits.rate is None:  # no cap, and no spacing the coordinator knows
+                    return False
+                rate = limits.rate
                 tokens, at = self._tokens.get(host, (limits.start, now))
                 tokens = min(limits.burst, tokens + (now - at) * rate)
                 if tokens >= 1.0:
@@ -148,6 +158,7 @@ class HostPolicy:
             if waited:
                 self.counts[host]["throttled"] += 1
                 self.counts[host]["throttled_ms"] += round((now - started) * 1000)
+            return limits is not self._own
 
     # the connection budget ------------------------------------------------------------
 
