@@ -71,6 +71,36 @@ def test_refused_tokens_follow_the_tokenizer_subwords() -> None:
         {s[0] for s in map(ids, (" man", " Man", " woman", " Woman")) if len(s) == 1})}
 
 
+def test_the_device_processor_refuses_exactly_what_the_rules_refuse() -> None:
+    """The tensor rules (one pass over every row, on the scores' device) against the
+    per-caption lookup, on every prefix of random captions made of the words' own tokens,
+    boundaries and other tokens, mid-caption and at its start."""
+    import torch
+
+    tokenizer = train_tokenizer(["a man and a dog", "human hands", "the woman's hat",
+                                 "Man on a bench", '"man" sign', "police officer at work",
+                                 "a tennis player"] * 3, vocab_size=300,
+                                add_prefix_space=False)
+    blocker = WordBlocker(tokenizer, ["man", "woman", "police officer", "tennis player"])
+    pieces = sorted({t for prefix, rule in blocker.rules.items()
+                     for t in (*prefix, *rule[True], *rule[False])})
+    pool = pieces + tokenizer.encode('a" hu.', add_special_tokens=False)
+    generator = torch.Generator().manual_seed(0)
+    prompt, steps, batch = 3, 7, 64
+    rows = torch.tensor(pool)[torch.randint(len(pool), (batch, prompt + steps),
+                                            generator=generator)]
+    vocab = len(tokenizer) + 5  # a model's vocabulary may be padded past the tokenizer's
+    checked = 0
+    processor = blocker.logits_processor()
+    for length in range(prompt, prompt + steps + 1):
+        scores = processor(rows[:, :length], torch.zeros(batch, vocab))
+        for row in range(batch):
+            refused = set(torch.nonzero(torch.isinf(scores[row])).flatten().tolist())
+            assert refused == blocker.refused(rows[row, prompt:length].tolist())
+            checked += bool(refused)
+    assert checked > batch  # the captions did reach refusals, bare and spaced
+
+
 def test_constrained_generation_never_writes_a_blocked_word(tiny_blip: Path) -> None:
     """Block the whole words the free model writes; constrained, no generated token is one
     the blocker refuses after what came before it, and the captions change."""
