@@ -13,11 +13,19 @@ copies of its last row, whose outputs are dropped. The padding costs at most one
 chunk per Ray Data batch. A row's bytes then depend on ``batch_size``, never on how the
 build was cut (tests/test_batch_invariance.py).
 
+**Out of memory.** ``FixedForward`` holds an actor's forward size: a forward that runs
+out of device memory is run again, the whole batch, at half the size, and the actor keeps
+the smaller size from then on (a warning says so), so no row is lost and every row of a
+call still rides one shape. ``batch_size: auto`` starts at ``config.AUTO_BATCH_ROWS`` and
+lets this find the size that fits. Rows computed after a halving may differ from a run
+that never halved in their last bits: the shape is the card's, not the build's.
+
 Ground floor: torch is imported by the callers, which pass tensors.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -48,3 +56,27 @@ def run_fixed(fn: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor,
     if batch.shape[0] == 0:
         return fn(batch)
     return torch.cat([fn(chunk)[:real] for chunk, real in fixed_chunks(batch, rows)])
+
+
+class FixedForward:
+    """``run_fixed`` at an actor's forward size, halved on out-of-memory (see above)."""
+
+    def __init__(self, rows: int, what: str) -> None:
+        self.rows = rows
+        self.what = what  # the step, for the warning
+
+    def __call__(self, fn: Callable[[torch.Tensor], torch.Tensor],
+                 batch: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        while True:
+            try:
+                return run_fixed(fn, batch, self.rows)
+            except torch.OutOfMemoryError:
+                if self.rows == 1:
+                    raise
+                self.rows //= 2
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                logging.getLogger(__name__).warning(
+                    "%s: out of memory; forwards of %d rows from now on", self.what, self.rows)

@@ -282,11 +282,18 @@ class DedupConfig(Strict):
     semantic: SemanticDedupConfig = Field(default_factory=SemanticDedupConfig)
 
 
+# batch_size: auto: rows per model call; the forward starts there and halves on OOM
+AUTO_BATCH_ROWS = 256
+
+
 class ModelPoolConfig(Strict):
     """How a model step runs: an actor pool, each actor loading the model once."""
 
     pool_size: int = Field(1, gt=0, description="actors in the pool")
-    batch_size: int = Field(32, gt=0, description="images per model call")
+    batch_size: int | Literal["auto"] = Field(
+        32, description="images per model call, and every forward's shape (batching.py); "
+        f"auto: {AUTO_BATCH_ROWS} a call, the forward halved on out-of-memory until it fits "
+        "(any size halves on out-of-memory; no row is lost)")
     num_cpus: float = Field(0.5, gt=0, description="CPUs each actor reserves from Ray "
                             "(fractional, so several pools fit on a small machine)")
     num_gpus: float = Field(0, ge=0, description="GPUs each actor reserves (0: CPU)")
@@ -294,6 +301,21 @@ class ModelPoolConfig(Strict):
                                       description="intra-op threads per actor (default: torch's)")
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="custom Ray resources each actor needs")
+    compile: bool = Field(False, description="torch.compile the model's forward (the first "
+                          "batches pay the compile; floats may differ from eager in the last "
+                          "digits, as across GPUs)")
+
+    @field_validator("batch_size")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value <= 0:
+            raise ValueError("batch_size must be > 0 or auto")
+        return value
+
+    @property
+    def call_rows(self) -> int:
+        """Rows per model call (``batch_size``, or ``AUTO_BATCH_ROWS`` for auto)."""
+        return AUTO_BATCH_ROWS if self.batch_size == "auto" else self.batch_size
 
 
 class BasicFilterConfig(Strict):
@@ -321,6 +343,9 @@ class ClipConfig(ModelPoolConfig):
         "laion2b_s34b_b79k", description="open_clip pretrained tag or a local checkpoint path")
     model_config_path: str | None = Field(
         None, description="a JSON model config for architectures open_clip does not ship")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the forwards' precision (autocast): auto is bfloat16 on GPU, "
+        "float32 on CPU (where bfloat16 is about ten times slower)")
     mode: Literal["threshold", "top_fraction", "score_only"] = Field(
         "threshold", description="threshold: drop scores below it; top_fraction: keep the "
         "highest top_fraction of the stage (a scoring pass first); score_only: record "
@@ -342,8 +367,9 @@ class ImageTokenizerConfig(Strict):
         "pairforge-vq", description="pairforge-vq: ours (train-vq); emu3, janus, chameleon: "
         "their transformers VQ models")
     path_or_id: str = Field(description="hub id or local folder (train-vq output for ours)")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="the encoder's precision")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the encoder's precision: auto is bfloat16 on GPU, float32 on "
+        "CPU (ours: autocast; transformers VQs: the weights' dtype)")
     resolution: int | None = Field(None, gt=0, description="transformers backends: input size")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
 
@@ -363,7 +389,8 @@ class TextTokenizerConfig(Strict):
 class TokenizeConfig(ModelPoolConfig):
     enabled: bool = Field(False, description="run the tokenize step (VQ image codes and "
                           "caption tokens)")
-    batch_size: int = Field(16, gt=0, description="images per encode call")
+    batch_size: int | Literal["auto"] = Field(16, description="images per encode call "
+                                              "(auto: as for the other model steps)")
     image: ImageTokenizerConfig | None = None
     text: TextTokenizerConfig = Field(default_factory=TextTokenizerConfig)
 
@@ -502,6 +529,9 @@ class RecaptionConfig(ModelPoolConfig):
             raise ValueError("recaption.cache.embedding_source: captioner needs the "
                              "transformers backend (a server does not return its vision "
                              "encoder's output); use clip or auto")
+        if self.compile:
+            raise ValueError("recaption.compile: not available for captioners (generate "
+                             "changes shape every token); the other model steps take it")
         return self
 
     @property

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pyarrow as pa
 
-from pairforge.batching import run_fixed
+from pairforge.batching import FixedForward
 from pairforge.config import ClassifierConfig, ModelPoolConfig
 from pairforge.images import RGB, ImageView, model_device, model_dtype, view_images
 from pairforge.records import Status, classifier_columns
@@ -164,6 +164,7 @@ class TransformersClassifier:
     probability of one label per image."""
 
     def __init__(self, entry: ClassifierConfig, device: str = "cpu") -> None:
+        import torch
         from transformers import AutoImageProcessor, AutoModelForImageClassification
 
         self.device = device
@@ -174,15 +175,16 @@ class TransformersClassifier:
         config = self.model.config
         self.index = label_index(config.id2label, entry.label, entry.model)
         self.multi_label = config.problem_type == "multi_label_classification"
-        self.rows = entry.batch_size  # every forward's shape (pairforge/batching.py)
+        self.forward = FixedForward(entry.call_rows, f"classifier {entry.name}")
+        self.run = torch.compile(self.model) if entry.compile else self.model
 
     def __call__(self, images: list[Any]) -> np.ndarray:
         import torch
 
         pixels = self.processor(images=images, return_tensors="pt")["pixel_values"]
         with torch.inference_mode():
-            logits = run_fixed(lambda p: self.model(pixel_values=p).logits,
-                               pixels.to(self.device, self.model.dtype), self.rows)
+            logits = self.forward(lambda p: self.run(pixel_values=p).logits,
+                                  pixels.to(self.device, self.model.dtype))
             logits = logits.float()
             probs = logits.sigmoid() if self.multi_label else logits.softmax(dim=-1)
         return probs[:, self.index].cpu().numpy()

@@ -19,6 +19,7 @@ best`` ranks them all) from the same image embedding, and after the choice
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -26,11 +27,11 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image
 
-from pairforge.batching import run_fixed
+from pairforge.batching import FixedForward
 from pairforge.config import ClipConfig, ModelPoolConfig
 from pairforge.filters.clip_view import clip_view, split_preprocess
 from pairforge.filters.selection import kth_largest
-from pairforge.images import ImageView, model_device, view_images
+from pairforge.images import ImageView, model_device, model_dtype, view_images
 from pairforge.records import Status, process_columns
 from pairforge.sources import OpenClipModel
 from pairforge.stage import (
@@ -59,39 +60,37 @@ class ClipScorer:
         self.model.eval()
         self.tokenizer = open_clip.get_tokenizer(cfg.model)
         self.device = device
-        self.rows = cfg.batch_size  # every forward's shape (pairforge/batching.py)
+        self.forward = FixedForward(cfg.call_rows, "clip")  # pairforge/batching.py
         self.name = f"{cfg.model}/{cfg.pretrained or 'random-init'}"
         self.view, self.to_tensor = _own_view(cfg, self.preprocess)
-        # bf16 on GPUs; fp32 on CPU, where bf16 is about ten times slower.
-        self.autocast = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else None
+        dtype = model_dtype(cfg.dtype, device)  # auto: bf16 on GPUs, fp32 on CPU
+        self.autocast = (torch.autocast(device.split(":")[0], dtype)
+                         if dtype != torch.float32 else contextlib.nullcontext())
+        towers = (self.model.encode_image, self.model.encode_text)
+        self.encode_image, self.encode_text = (
+            tuple(torch.compile(t) for t in towers) if cfg.compile else towers)
 
     def _run(self, fn: Any, tensor: Any) -> np.ndarray:
         import torch
 
-        with torch.inference_mode():
-            if self.autocast is None:
-                out = run_fixed(fn, tensor.to(self.device), self.rows)
-            else:
-                with self.autocast:
-                    out = run_fixed(fn, tensor.to(self.device), self.rows)
-            out = out.float()
+        with torch.inference_mode(), self.autocast:
+            out = self.forward(fn, tensor.to(self.device)).float()
             return torch.nn.functional.normalize(out, dim=-1).cpu().numpy()
 
     def embed_images(self, images: list[Image.Image]) -> np.ndarray:
         import torch
 
         batch = torch.stack([self.preprocess(im) for im in images])
-        return self._run(self.model.encode_image, batch)
+        return self._run(self.encode_image, batch)
 
     def embed_view(self, pictures: list[Image.Image]) -> np.ndarray:
         """Embeddings of pictures already in ``self.view`` (resized and cropped)."""
         import torch
 
-        return self._run(self.model.encode_image,
-                         torch.stack([self.to_tensor(p) for p in pictures]))
+        return self._run(self.encode_image, torch.stack([self.to_tensor(p) for p in pictures]))
 
     def embed_texts(self, texts: list[str]) -> np.ndarray:
-        return self._run(self.model.encode_text, self.tokenizer(texts))
+        return self._run(self.encode_text, self.tokenizer(texts))
 
     def score(self, images: list[Image.Image], texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(cosine similarity per pair, normalised image embeddings)."""

@@ -109,7 +109,7 @@ def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
         # Ray asks a whole CPU for this task by default (see _cut_into_blocks)
         return ds.drop_columns(list(drop_after), num_cpus=TASK_CPUS)
     handed = step_config(cfg)
-    batch_sizes = [s.pool_config(handed).batch_size for s in steps if issubclass(s, ModelStep)]
+    batch_sizes = [s.pool_config(handed).call_rows for s in steps if issubclass(s, ModelStep)]
     views = chain_views(steps, handed)
     drop_after = (*drop_after, *(v.column for v in views))
     cut = False
@@ -188,8 +188,8 @@ def add_step(ds: Any, step_cls: type[Step], cfg: StepConfig,
         if concurrent > 1:
             # one batch per block: an actor's concurrent calls are blocks, and blocks of
             # many batches would need that many blocks queued on each actor
-            ds = _cut_into_blocks(ds, pool.batch_size)
-        return ds.map_batches(step_cls, fn_constructor_args=(cfg,), batch_size=pool.batch_size,
+            ds = _cut_into_blocks(ds, pool.call_rows)
+        return ds.map_batches(step_cls, fn_constructor_args=(cfg,), batch_size=pool.call_rows,
                               batch_format="pyarrow", fn_kwargs={"drop": drop},
                               compute=_actor_pool(pool.pool_size, concurrent),
                               num_cpus=num_cpus, **extra)

@@ -26,7 +26,8 @@ class ImageTokenizerSpec(BaseModel):
     backend: ImageBackend = "pairforge-vq"
     path_or_id: str = Field(description="hub id or local folder (train-vq output for ours)")
     device: str = Field("cpu", description="torch device, e.g. cpu or cuda")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    compile: bool = Field(False, description="torch.compile the encoder (ours)")
     batch_size: int = Field(16, gt=0, description="images per forward pass")
     resolution: int | None = Field(
         None, gt=0, description="transformers backends only: override the checkpoint's input "
@@ -42,6 +43,13 @@ class TextTokenizerSpec(BaseModel):
     revision: str | None = None
 
 
+def _dtype(spec: ImageTokenizerSpec) -> torch.dtype:
+    """``auto``: bfloat16 on a GPU, float32 on CPU."""
+    if spec.dtype == "auto":
+        return torch.bfloat16 if spec.device.startswith("cuda") else torch.float32
+    return DTYPES[spec.dtype]
+
+
 def load_image_tokenizer(spec: ImageTokenizerSpec | dict[str, Any]) -> ImageTokenizer:
     """Build the image tokenizer a spec names."""
     spec = ImageTokenizerSpec.model_validate(spec)
@@ -51,11 +59,12 @@ def load_image_tokenizer(spec: ImageTokenizerSpec | dict[str, Any]) -> ImageToke
         from pairforge.tokenizers.vq_tokenizer import PairforgeVQTokenizer
 
         return PairforgeVQTokenizer(spec.path_or_id, device=spec.device,
-                                    batch_size=spec.batch_size)
+                                    batch_size=spec.batch_size, dtype=_dtype(spec),
+                                    compile=spec.compile)
     from pairforge.tokenizers.hf_vq import HFVQTokenizer
 
     return HFVQTokenizer(spec.backend, spec.path_or_id, device=spec.device,
-                         dtype=DTYPES[spec.dtype], batch_size=spec.batch_size,
+                         dtype=_dtype(spec), batch_size=spec.batch_size,
                          resolution=spec.resolution, revision=spec.revision)
 
 

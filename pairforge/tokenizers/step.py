@@ -46,7 +46,8 @@ class TokenizeStep(ModelStep):
         super().__init__(cfg)
         tok = cfg.process.tokenize
         self.image_tokenizer = load_image_tokenizer({
-            **tok.image.model_dump(), "device": model_device(tok), "batch_size": tok.batch_size})
+            **tok.image.model_dump(), "device": model_device(tok), "batch_size": tok.call_rows,
+            "compile": tok.compile})
         self.text_tokenizer = load_text_tokenizer(tok.text.model_dump())
         self.view = (square_view(self.image_tokenizer.resolution)
                      if tok.image.backend == "pairforge-vq" else RGB)

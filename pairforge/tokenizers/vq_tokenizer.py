@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pairforge.batching import run_fixed
+from pairforge.batching import FixedForward
 from pairforge.images import resize_center_crop
 from pairforge.tokenizers import vqvae
 from pairforge.tokenizers.base import (
@@ -31,11 +31,15 @@ class PairforgeVQTokenizer(ImageTokenizer):
 
     backend = "pairforge-vq"
 
-    def __init__(self, path: str | Path, device: str = "cpu", batch_size: int = 64) -> None:
+    def __init__(self, path: str | Path, device: str = "cpu", batch_size: int = 64,
+                 dtype: torch.dtype = torch.float32, compile: bool = False) -> None:
         self.path = str(path)
         self.device = torch.device(device)
         self.batch_size = batch_size
+        self.forward = FixedForward(batch_size, "tokenize")  # halves on out-of-memory
         self.model = vqvae.load(path, self.device)
+        self.dtype = dtype  # below float32: the encoder and codebook distances autocast
+        self.encoder = torch.compile(self.model.encode) if compile else self.model.encode
         self._fingerprint = self._make_fingerprint()
 
     @property
@@ -66,7 +70,9 @@ class PairforgeVQTokenizer(ImageTokenizer):
         for start in range(0, len(images), self.batch_size):
             pixels = self.preprocess(images[start:start + self.batch_size]).to(self.device)
             # one shape for every forward, so a code never depends on the batch's cut
-            codes = run_fixed(self.model.encode, pixels, self.batch_size)
+            with torch.autocast(self.device.type, self.dtype,
+                                enabled=self.dtype != torch.float32):
+                codes = self.forward(self.encoder, pixels)
             grids.extend(codes.to(torch.int32).cpu().numpy())
         return grids
 
@@ -89,5 +95,7 @@ class PairforgeVQTokenizer(ImageTokenizer):
             "resolution": self.resolution,
             "preprocessing": preprocessing_description(self.resolution),
         }
+        if self.dtype != torch.float32:  # other codes; float32's fingerprints stay as they were
+            fingerprint["dtype"] = str(self.dtype).removeprefix("torch.")
         fingerprint["digest"] = fingerprint_digest(fingerprint)
         return fingerprint
