@@ -129,6 +129,15 @@ def test_a_success_resets_the_count_and_an_opening_is_counted_once():
     assert _ask(book, "d")["given_up"] is True
 
 
+def test_a_release_carries_the_tasks_last_opening():
+    book = HostBook(_limits(failures=3), lease_s=2.0, clock=Clock())
+    _ask(book, "a")
+    (last,) = book.exchange("a", [{"host": "h", "release": True, "opened": 1}])
+    assert (last["released"], last["counted"], last["opened"]) == (True, True, 1)
+    assert book.hosts["h"].holders == {}
+    assert _ask(book, "b")["pause_left"] == 10.0  # the host stays paused for the others
+
+
 def test_the_hash_of_a_host_is_the_same_in_every_process():
     assert shard_of("example.com", 4) == 1  # crc32, not the salted hash()
     assert {shard_of(f"h{i}.org", 4) for i in range(40)} == {0, 1, 2, 3}
@@ -430,28 +439,33 @@ def test_stage1_a_breaker_opened_in_one_task_pauses_the_host_in_the_others(
 def test_stage1_a_coordinator_killed_mid_run_loses_no_row(tmp_path, images, server,
                                                           ray_local):
     """The run's coordinator is killed for good once the server has seen 8 requests: the
-    tasks fall back to the per-task rule, make it again, and every row ends ok, each
-    requested once."""
+    tasks make it again (the per-task rule covers any gap), every row ends ok, each
+    requested once, and the stage removes the coordinator at the end."""
     import ray
 
     from pairforge.download.host_actors import NAMESPACE
 
-    before = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
-    urls = [server.url(f"/n/{i}") for i in range(40)]
-    cfg = _stage1_config(tmp_path, urls, 5, per_host_requests_per_s=8.0, robots_txt=False,
+    def coordinators() -> set[str]:
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == NAMESPACE}
+
+    before = coordinators()
+    urls = [server.url(f"/n/{i}") for i in range(64)]
+    cfg = _stage1_config(tmp_path, urls, 8, per_host_requests_per_s=8.0, robots_txt=False,
                          tdm=False)
     done: dict[str, Any] = {}
     runner = threading.Thread(target=lambda: done.update(summary=_stage1(cfg)))
     runner.start()
     _wait_for(lambda: len(server.arrivals) >= 8, 60)
-    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-               if a["name"].startswith("pairforge-hosts-") and a["name"] not in before]
+    (name,) = coordinators() - before
     ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
     killed_at = len(server.arrivals)
+    _wait_for(lambda: name not in coordinators(), 30)  # dead
+    _wait_for(lambda: name in coordinators() or not runner.is_alive(), 60)
+    made_again_at = len(server.arrivals)
     runner.join(120)
-    assert done["summary"]["status"] == {"ok": 40}
-    assert killed_at < 40  # the kill came mid-run
-    assert sorted(p for _, p in server.arrivals) == sorted(f"/n/{i}" for i in range(40))
-    assert len(_rows(tmp_path)) == 40
-    after = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
-    assert name in after  # the tasks made it again (a new actor by the run's name)
+    assert done["summary"]["status"] == {"ok": 64}
+    assert killed_at <= made_again_at < 64  # killed, then made again, both mid-run
+    assert sorted(p for _, p in server.arrivals) == sorted(f"/n/{i}" for i in range(64))
+    assert len(_rows(tmp_path)) == 64
+    assert name not in coordinators()  # the stage removed it at the end

@@ -53,6 +53,7 @@ from protego import Protego
 
 from pairforge.config import DownloadConfig
 from pairforge.download.fetch import Fetcher, FetchResult, Origin
+from pairforge.download.host_actors import end_run
 from pairforge.download.host_coordinator import FILE_CLAIM_S, shard_of
 from pairforge.download.host_leases import CoordinatorLink
 from pairforge.download.tdmrep import WELL_KNOWN_PATH, TdmRule, parse_tdmrep, reservation_for
@@ -75,8 +76,10 @@ def cache_dir(run_id: str) -> Path:
 
 
 def remove_cache(run_id: str) -> None:
-    """Remove a finished run's folder on this node (other nodes' temp folders keep theirs)."""
+    """Remove a finished run's folder on this node (other nodes' temp folders keep theirs)
+    and its host coordinators, which hold the files the nodes shared."""
     shutil.rmtree(cache_dir(run_id), ignore_errors=True)
+    end_run(run_id)
 
 
 def origin_url(origin: Origin) -> str:

@@ -11,8 +11,9 @@ a byte-bounded cache of the origins' robots.txt and tdmrep.json.
 They are detached (a task's worker, their maker, may end before the run) and restarted by
 Ray when they die (``max_restarts=-1``: a killed actor or a lost node); a restarted one
 starts empty and the tasks take leases again, while the per-task rule covers the gap
-(``download/host_leases.py``). A coordinator that no call reached for ``IDLE_EXIT_S``
-ends itself: the run is over (or stopped), and nothing else removes detached actors.
+(``download/host_leases.py``). The stage's driver removes them when the run ends
+(:func:`end_run`, through ``consent.remove_cache``); one that no call reached for
+``IDLE_EXIT_S`` ends itself (a driver that died, a task run outside the stage).
 
 ``PAIRFORGE_HOST_COORDINATORS=off`` in the workers' environment makes every task follow
 the per-task rule (bench/politeness.py's "before" figures; an escape hatch, never needed
@@ -38,7 +39,11 @@ NAMESPACE = "pairforge-hosts"
 SWITCH = "PAIRFORGE_HOST_COORDINATORS"  # "off" in the workers' environment: per-task rule
 IDLE_EXIT_S = 120.0
 MAKE_TIMEOUT_S = 60.0  # the first call waits for the actor's process to start
+# a lease call that takes longer marks its coordinator lost: a dead one must not hold up
+# the renewals of the others (one thread renews a task's leases with all of them)
+EXCHANGE_TIMEOUT_S = 1.0
 CPUS_PER_COORDINATOR = 64  # one coordinator per this many cluster CPUs, 1 to 8
+MAX_COORDINATORS = 8
 
 
 class HostCoordinator:
@@ -85,7 +90,7 @@ def coordinator_count() -> int:
     import ray
 
     cpus = int(ray.cluster_resources().get("CPU", 1))
-    return max(1, min(8, cpus // CPUS_PER_COORDINATOR + 1))
+    return max(1, min(MAX_COORDINATORS, cpus // CPUS_PER_COORDINATOR + 1))
 
 
 class RayLink:
@@ -99,6 +104,10 @@ class RayLink:
         self._handles: dict[int, Any] = {}
         self.shards = 1  # what _handle(0) needs, until coordinator 0 answers
         self.shards = ray.get(self._handle(0).shard_count.remote(), timeout=MAKE_TIMEOUT_S)
+        # all of them up before the first lease, so a lease's call never waits for an
+        # actor's process to start (and a short call timeout means a lost coordinator)
+        ray.get([self._handle(k).shard_count.remote() for k in range(1, self.shards)],
+                timeout=MAKE_TIMEOUT_S)
 
     def _handle(self, shard: int) -> Any:
         import ray
@@ -130,7 +139,7 @@ class RayLink:
             except Exception as err:  # noqa: BLE001 - not even made: the coordinator is lost
                 self._forget(shard)
                 results[shard] = err
-        deadline = time.monotonic() + CALL_TIMEOUT_S
+        deadline = time.monotonic() + EXCHANGE_TIMEOUT_S
         for shard, ref in refs.items():
             try:
                 results[shard] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
@@ -157,6 +166,26 @@ class RayLink:
         except Exception:
             self._forget(shard)
             raise
+
+
+def end_run(run_id: str) -> int:
+    """Remove run ``run_id``'s coordinators (the stage's driver, once its tasks are done);
+    how many there were. A no-op without Ray."""
+    try:
+        import ray
+    except ImportError:
+        return 0
+    if not ray.is_initialized():
+        return 0
+    ended = 0
+    for shard in range(MAX_COORDINATORS):
+        try:
+            handle = ray.get_actor(f"pairforge-hosts-{run_id}-{shard}", namespace=NAMESPACE)
+        except ValueError:
+            continue  # made only once a host of its share was asked for
+        ray.kill(handle, no_restart=True)
+        ended += 1
+    return ended
 
 
 def run_link(cfg: DownloadConfig, run_id: str | None) -> RayLink | None:

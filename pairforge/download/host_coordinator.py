@@ -127,15 +127,19 @@ class HostBook:
         """Answer one task's asks (each: ``host``; ``release``: it is done with the host;
         ``failures``: transient failures since its last report, ``success``: a row that
         was not, before them; ``opened``: the number of a breaker opening its own count
-        made) with a grant per host still held."""
+        made) with a grant per host (one ``released`` for a host let go: its breaker's
+        state, and whether its last report opened the breaker)."""
         now = self.clock()
         self._expire(now)
         grants = []
         for ask in asks:
             host = self.hosts.setdefault(ask["host"], _Host())
             host.touched = now
-            if ask.get("release"):
+            if ask.get("release"):  # its last reports first: an opening it made counts
+                counted = self._breaker(host, ask, now)
                 host.holders.pop(task, None)
+                grants.append({**self._grant(ask["host"], host, _Holder(), counted, now),
+                               "released": True})
                 continue
             host.spacing = max(host.spacing, ask.get("spacing", 0.0))
             counted = self._breaker(host, ask, now)

@@ -6,18 +6,17 @@ lease at half its life, sends the breaker reports as they come, and releases a h
 task has not used for a lease's life, so requests only read the grant in memory. One call
 per coordinator per round carries all of that coordinator's hosts.
 
-**Coordinator loss.** A call that fails or takes over ``CALL_TIMEOUT_S`` marks its
-coordinator down: its hosts keep their leases until these expire, then follow the
-per-task rule (the task's own ``per_host_*`` settings, as before issue 52), which the log
-says once per outage and the shard's politeness stats count (``coordinator_fallback``).
-The thread calls again a second later (the coordinator is restarted by Ray, or made
-again); once it answers, the hosts take leases again. Nothing a row waits for can hang
-on a coordinator: the longest wait is one call's timeout.
+**Coordinator loss.** A call that fails or takes too long (``host_actors.py``: 1 s for a
+lease call) marks its coordinator down: its hosts keep their leases until these expire,
+then follow the per-task rule (the task's own ``per_host_*`` settings, as before issue
+52), which the log says once per outage and the shard's politeness stats count
+(``coordinator_fallback``). The thread calls again a second later (the coordinator is
+restarted by Ray, or made again); once it answers, the hosts take leases again. Nothing
+a row waits for can hang on a coordinator: the longest wait is one call's timeout.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -122,14 +121,18 @@ class HostLeases:
 
     def __init__(self, link: CoordinatorLink, changed: threading.Condition,
                  on_grant: Callable[[str, Grant, float], None],
-                 on_fallback: Callable[[str], None], lease_s: float = LEASE_S) -> None:
+                 on_fallback: Callable[[str], None],
+                 on_unsent: Callable[[str, int], None], lease_s: float = LEASE_S) -> None:
         self.link = link
         self.task = f"{uuid.uuid4().hex[:12]}"
         self.changed = changed
         self.on_grant = on_grant
         self.on_fallback = on_fallback
+        self.on_unsent = on_unsent  # an opening whose report never reached a coordinator
         self.lease_s = lease_s
         self._entries: dict[str, _Entry] = {}
+        # coordinators whose last call failed: when to call again (their hosts whose
+        # leases ended follow the per-task rule until one answers)
         self._down_until: dict[int, float] = {}
         self._wake = threading.Event()
         self._closed = False
@@ -152,8 +155,7 @@ class HostLeases:
         entry.last_used = now
         if entry.grant is not None and now < entry.expires:
             return entry.grant
-        if not entry.fallback and self._down_until.get(shard_of(host, self.link.shards),
-                                                       0.0) > now:
+        if not entry.fallback and shard_of(host, self.link.shards) in self._down_until:
             entry.fallback = True  # its coordinator is down: no wait for its answer
             self.on_fallback(host)
         return FALLBACK if entry.fallback else None
@@ -181,16 +183,33 @@ class HostLeases:
         self._wake.set()
 
     def close(self) -> None:
-        """Stop renewing, and release every lease so other tasks get its share now."""
+        """Stop renewing, and release every lease so other tasks get its share now; the
+        last breaker reports go with the releases (an opening this task made is counted
+        in its stats: by the coordinator's word, or here when it cannot be reached)."""
         with self.changed:
             self._closed = True
+        self._wake.set()
+        self._thread.join(CALL_TIMEOUT_S + 1)  # a call in flight is answered and applied
+        with self.changed:
             releases = self._batches({h: e.ask(h, True) for h, e in self._entries.items()})
             self._entries.clear()
-        self._wake.set()
-        self._thread.join(CALL_TIMEOUT_S + 1)
-        if releases:
-            with contextlib.suppress(Exception):  # the leases lapse on their own anyway
-                self.link.exchange_all(self.task, releases)
+        if not releases or self._broken:
+            return  # nothing held, or a thread that failed: the leases lapse on their own
+        try:
+            results = self.link.exchange_all(self.task, releases)
+        except Exception as err:  # noqa: BLE001 - the leases lapse on their own anyway
+            results = {shard: err for shard in releases}
+        with self.changed:
+            now = time.monotonic()
+            for shard, batch in releases.items():
+                result = results.get(shard)
+                if isinstance(result, list):
+                    for grant in result:
+                        self.on_grant(grant["host"], grant, now)
+                    continue
+                for ask in batch:
+                    if ask.get("opened") is not None:
+                        self.on_unsent(ask["host"], ask["opened"])
 
     # the thread -----------------------------------------------------------------------
 

@@ -101,8 +101,8 @@ class HostPolicy:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self.counts: dict[str, Counter[str]] = defaultdict(Counter)
-        self.leases = (HostLeases(link, self._changed, self._granted, self._fell_back)
-                       if link is not None else None)
+        self.leases = (HostLeases(link, self._changed, self._granted, self._fell_back,
+                                  self._unsent_open) if link is not None else None)
 
     def close(self) -> None:
         """Give the leases back (a no-op under the per-task rule)."""
@@ -262,6 +262,13 @@ class HostPolicy:
                 breaker.opened = grant["opened"]
                 breaker.failures = max(breaker.failures, self.failures)  # then a probe
             breaker.paused_until = max(breaker.paused_until, now + grant["pause_left"])
+
+    def _unsent_open(self, host: str, opened: int) -> None:
+        """An opening this task made whose report no coordinator received: counted here,
+        as under the per-task rule (under the lock)."""
+        self.counts[host]["breaker_opened"] += 1
+        if opened <= self.max_pauses:
+            self.counts[host]["paused_ms"] += round(self.pause_s * 2 ** (opened - 1) * 1000)
 
     def _fell_back(self, host: str) -> None:
         self.counts[host]["coordinator_fallback"] += 1
