@@ -284,8 +284,8 @@ class HostLeases:
             asked = {ask["host"]: ask for ask in batch}
             for grant in result:
                 entry = self._entries.get(grant["host"])
-                if entry is None:
-                    continue  # released meanwhile
+                if entry is None or grant.get("released"):
+                    continue  # released (an idle host's release carries no report)
                 if entry.spacing > asked.get(grant["host"], {}).get("spacing", 0.0):
                     continue  # granted before the coordinator knew the Crawl-delay
                 entry.grant, entry.fallback = grant, False
