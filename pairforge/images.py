@@ -101,17 +101,34 @@ def unique_views(views: Iterable[ImageView]) -> tuple[ImageView, ...]:
 
 def decode_views(batch: pa.Table, views: tuple[ImageView, ...]) -> pa.Table:
     """``batch`` with a ``pixels.*`` column per view: each ok row's image decoded once and
-    prepared once per view; rows that left earlier get nulls."""
+    prepared once per view; rows that left earlier get nulls. An image that no longer
+    decodes (a raw tar damaged since stage 1 read it) ends its row ``decode_error``."""
     ok = pc.equal(batch["status"], Status.OK.value).to_numpy(zero_copy_only=False)
     columns: dict[str, list] = {v.column: [None] * batch.num_rows for v in views}
+    failed: dict[int, str] = {}
     data = batch["image"]
     for i in np.flatnonzero(ok):
-        image = decode_rgb(data[int(i)].as_py())
-        for view in views:
-            columns[view.column][i] = _pixels(np.asarray(view.of(image), dtype=np.uint8))
+        try:
+            image = decode_rgb(data[int(i)].as_py())
+            pictures = [np.asarray(view.of(image), dtype=np.uint8) for view in views]
+        except (OSError, ValueError, Image.DecompressionBombError) as err:
+            failed[int(i)] = f"stage 3 could not decode the image: {type(err).__name__}: {err}"
+            continue
+        for view, picture in zip(views, pictures, strict=True):
+            columns[view.column][i] = _pixels(picture)
     for name, values in columns.items():
         batch = batch.append_column(name, pa.array(values, PIXELS))
-    return batch
+    return _end_rows(batch, failed, Status.DECODE_ERROR) if failed else batch
+
+
+def _end_rows(batch: pa.Table, errors: dict[int, str], status: Status) -> pa.Table:
+    statuses, messages = batch["status"].to_pylist(), batch["error"].to_pylist()
+    for i, message in errors.items():
+        statuses[i], messages[i] = status.value, message
+    batch = batch.set_column(batch.column_names.index("status"), "status",
+                             pa.array(statuses, pa.string()))
+    return batch.set_column(batch.column_names.index("error"), "error",
+                            pa.array(messages, pa.string()))
 
 
 def _pixels(array: np.ndarray) -> dict:

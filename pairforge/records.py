@@ -58,7 +58,8 @@ STATUS_HELP: dict[Status, str] = {
                         "paused; it had not recovered when the run ended",
     Status.TOO_LARGE: "body over download.max_bytes or image over download.image.max_pixels",
     Status.NOT_AN_IMAGE: "the body is not an image Pillow recognises",
-    Status.DECODE_ERROR: "an image that fails to decode (truncated or corrupt)",
+    Status.DECODE_ERROR: "an image that fails to decode (truncated or corrupt; in stage 3, "
+                         "a raw shard's image that no longer decodes)",
     Status.OPTED_OUT: "opted out: robots.txt, a TDM reservation (tdm-reservation header or "
                       "tdmrep.json), X-Robots-Tag (noai, noimageai, ...) or an opt-out list "
                       "(download.opt_out_lists); opt_out_reason says which",
