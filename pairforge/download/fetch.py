@@ -525,7 +525,7 @@ class Fetcher:
             self.hosts.count(target.host, "rows_host_paused")
             raise _Failure(Status.HOST_PAUSED, f"{target.host} failed "
                            f"{self.cfg.host_failures} rows in a row through "
-                           f"{self.cfg.host_max_pauses} pauses: given up for this task "
+                           f"{self.cfg.host_max_pauses} pauses: given up "
                            "(download.host_failures)") from None
         transient = True  # until the hop ends otherwise (an exception that escapes too)
         try:
