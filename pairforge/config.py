@@ -555,15 +555,55 @@ class TasksConfig(Strict):
                                    description="mix: share of samples trained on the recaption")
 
 
+class OnnxInputConfig(Strict):
+    """How an onnx classifier's picture becomes its input tensor, as the model was trained
+    (pairforge/filters/onnx_classifier.py): resized and cropped to a square, scaled, put in
+    the model's channel order, normalised and laid out. open_nsfw: side 224, resize squash,
+    resize_to 256, bilinear, jpeg_quality 75, NHWC, BGR, 0-255, mean [104, 117, 123], no
+    std."""
+
+    side: int = Field(gt=0, description="the model's input height and width (px)")
+    resize: Literal["crop", "squash"] = Field(
+        "crop", description="crop: the shorter side to resize_to, then the centre side x side "
+        "square (the aspect ratio kept); squash: both sides to resize_to (the aspect ratio "
+        "not kept), then the centre side x side square")
+    resize_to: int | None = Field(None, gt=0, description="the square's side before the "
+                                  "centre crop (default: side; open_nsfw: 256)")
+    resample: Literal["bicubic", "bilinear"] = Field(
+        "bicubic", description="Pillow's filter for the resize")
+    jpeg_quality: int | None = Field(
+        None, ge=1, le=95, description="re-encode the resized picture as JPEG at this quality "
+        "before the crop, as Yahoo's open_nsfw reference does (75, Pillow's default); null: "
+        "no round trip")
+    layout: Literal["NCHW", "NHWC"] = Field("NCHW", description="the input tensor's axes")
+    channel_order: Literal["RGB", "BGR"] = Field("RGB", description="the input's channels")
+    pixel_range: Literal["0-1", "0-255"] = Field(
+        "0-1", description="the units of the pixels, mean and std: 0-1 divides the 8-bit "
+        "values by 255 before the mean is subtracted")
+    mean: tuple[float, float, float] = Field(
+        (0.0, 0.0, 0.0), description="subtracted per channel, listed in channel_order")
+    std: tuple[float, float, float] | None = Field(
+        None, description="divides per channel after the mean, in channel_order (null: "
+        "mean only)")
+
+    @model_validator(mode="after")
+    def _crop_fits(self) -> OnnxInputConfig:
+        if self.resize_to is not None and self.resize_to < self.side:
+            raise ValueError(f"onnx.resize_to {self.resize_to} is below onnx.side {self.side}: "
+                             "the centre crop needs the resized picture at least that big")
+        return self
+
+
 class ClassifierConfig(ModelPoolConfig):
     """One image classifier of stage 3 (pairforge/filters/classify.py): its score is the
     column NAME_score; a bound drops the rows past it with ``status``."""
 
     name: str = Field(pattern=r"^[a-z][a-z0-9_]*$",
                       description="the score column is NAME_score (parquet and sample json)")
-    backend: Literal["transformers", "clip-head"] = Field(
+    backend: Literal["transformers", "clip-head", "onnx"] = Field(
         description="transformers: an image-classification model; clip-head: a linear head "
-        "over the clip step's image embedding")
+        "over the clip step's image embedding; onnx: an ONNX model run by onnxruntime "
+        "(pip install 'pairforge[onnx]')")
     model: str | None = Field(None, description="transformers: hub id or local folder of an "
                               "AutoModelForImageClassification with its image processor")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
@@ -571,13 +611,17 @@ class ClassifierConfig(ModelPoolConfig):
                               "whose probability is the score")
     path: str | None = Field(None, description="clip-head: a state dict file (.pth, .pt, "
                              ".bin, .safetensors) of a linear head or linear stack over the "
-                             "clip step's normalised image embedding")
+                             "clip step's normalised image embedding; onnx: the .onnx file")
+    onnx: OnnxInputConfig | None = Field(None, description="onnx: how the picture becomes the "
+                                         "model's input (needed with backend onnx)")
     head_activation: Literal["none", "relu", "gelu"] = Field(
         "none", description="clip-head: between the head's linear layers (LAION's aesthetic "
         "predictors have none)")
     output: Literal["raw", "sigmoid", "softmax"] = Field(
-        "raw", description="clip-head: what turns the head's outputs into the score")
-    output_index: int = Field(0, ge=0, description="clip-head: which output is the score")
+        "raw", description="clip-head and onnx: what turns the outputs (onnx: the model's "
+        "first output) into the score")
+    output_index: int = Field(0, ge=0, description="clip-head and onnx: which output is the "
+                              "score")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="transformers: auto is float32 on CPU, bfloat16 on GPU")
     drop_above: float | None = Field(None, description="drop rows whose score is above this")
@@ -592,6 +636,9 @@ class ClassifierConfig(ModelPoolConfig):
             raise ValueError(f"{where}: backend transformers needs model and label")
         if self.backend == "clip-head" and not self.path:
             raise ValueError(f"{where}: backend clip-head needs path (a state dict file)")
+        if self.backend == "onnx" and not (self.path and self.onnx):
+            raise ValueError(f"{where}: backend onnx needs path (an .onnx file) and onnx (its "
+                             "input: side, resize, layout, channel_order, mean, std)")
         bounded = self.drop_above is not None or self.drop_below is not None
         if bounded and self.status is None:
             raise ValueError(f"{where}: drop_above/drop_below needs status (the status "

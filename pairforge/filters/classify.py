@@ -3,7 +3,7 @@
 Each ``process.classifiers`` entry becomes one model step (an actor pool) named
 ``classifier.NAME`` that adds the score column ``NAME_score`` and, when the entry has a
 bound (``drop_above`` / ``drop_below``), ends the rows past it with the entry's status.
-Two backends:
+Three backends:
 
 * ``transformers``: an ``AutoModelForImageClassification`` with its own image processor;
   the score is the probability of one label, looked up by name in ``config.id2label``
@@ -14,6 +14,8 @@ Two backends:
   ``nn.Sequential`` of linears, bare (``0.weight``, ``2.weight``, ...) or under one prefix
   (``layers.0.weight`` ... ``layers.7.weight``: LAION's improved aesthetic predictor, whose
   dropouts leave gaps in the numbering and which has no activations).
+* ``onnx``: an ONNX model run by onnxruntime, its input declared in the entry's ``onnx``
+  section (``filters/onnx_classifier.py``; e.g. Yahoo's open_nsfw).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import pyarrow as pa
 
 from pairforge.batching import FixedForward
 from pairforge.config import ClassifierConfig, ModelPoolConfig
+from pairforge.filters.onnx_classifier import OnnxClassifier, onnx_check, onnx_view
 from pairforge.images import RGB, ImageView, model_device, model_dtype, view_images
 from pairforge.records import Status, classifier_columns
 from pairforge.sources import TRANSFORMERS_FILES, ModelFile, ModelFolder, ModelSource
@@ -194,13 +197,17 @@ class TransformersClassifier:
 
 def classifier_source(cfg: StepConfig, index: int) -> ModelSource:
     """The model or head file of ``process.classifiers[index]``; preflight also checks that
-    a model has the label and a head takes the CLIP model's embedding size (only config
-    files and the small head are read, never a model)."""
+    a model has the label, a head takes the CLIP model's embedding size and an ONNX graph's
+    input is the declared shape (config files, the small head and the graph are read; no
+    image is run)."""
     entry = cfg.process.classifiers[index]
     key = f"process.classifiers[{index}] ({entry.name})"
     setting = f"process.classifiers.{entry.name}"
     if entry.backend == "clip-head":
         return ModelFile(f"{key}.path", entry.path, _head_check(cfg, f"{key}.path", entry),
+                         setting=f"{setting}.path")
+    if entry.backend == "onnx":
+        return ModelFile(f"{key}.path", entry.path, onnx_check(key, entry),
                          setting=f"{setting}.path")
     return ModelFolder(f"{key}.model", entry.model, TRANSFORMERS_FILES, entry.revision,
                        check=_label_check(f"{key}.label", entry), setting=f"{setting}.model")
@@ -294,8 +301,13 @@ class ClassifierStep(ModelStep):
 
     @classmethod
     def image_views(cls, cfg: StepConfig) -> tuple[ImageView, ...]:
-        # its image processor resizes as the model was trained: it takes the decoded image
-        return () if cls.entry(cfg).backend == "clip-head" else (RGB,)
+        return () if cls.entry(cfg).backend == "clip-head" else (cls.view(cls.entry(cfg)),)
+
+    @staticmethod
+    def view(entry: ClassifierConfig) -> ImageView:
+        # a transformers processor resizes as its model was trained: it takes the decoded
+        # image; an onnx entry declares its resize, so the chain prepares it ahead
+        return onnx_view(entry.onnx) if entry.backend == "onnx" else RGB
 
     def __init__(self, cfg: StepConfig) -> None:
         super().__init__(cfg)
@@ -303,6 +315,8 @@ class ClassifierStep(ModelStep):
         self.column = score_column(self.settings.name)
         if self.settings.backend == "clip-head":
             self.head = load_head(self.settings)
+        elif self.settings.backend == "onnx":
+            self.model = OnnxClassifier(self.settings)
         else:
             self.model = TransformersClassifier(self.settings, model_device(self.settings))
 
@@ -314,7 +328,7 @@ class ClassifierStep(ModelStep):
                                .reshape(len(have), -1)) if have else []
         else:
             have = list(range(rows.num_rows))
-            values = self.model(view_images(rows, RGB))
+            values = self.model(view_images(rows, self.view(self.settings)))
         scores: list[float | None] = [None] * rows.num_rows
         for i, value in zip(have, values, strict=True):
             scores[i] = float(np.float32(value))  # what the float32 column will hold
