@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import golden
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-import golden
 from pairforge.batching import FixedForward
 from pairforge.config import ClipConfig, ConfigError, parse_config
 from pairforge.filters.clip import ClipScorer

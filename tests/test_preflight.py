@@ -415,3 +415,17 @@ def test_a_ray_address_where_nothing_listens_is_named(monkeypatch):
         listening = server.base_url.removeprefix("http://").removesuffix("/v1")
         cfg = parse_config({"input": {"path": "x"}, "ray": {"address": listening}})
         assert ray_problems(cfg) == []
+
+
+def test_every_earlier_stage_input_of_a_contract_has_a_rule_and_words(tmp_path):
+    """Preflight reads the stage contracts' inputs: each that an earlier stage makes says
+    when it is finished and what to run, so a new input cannot be declared and not checked."""
+    from pairforge.pipeline import preflight
+    from pairforge.pipeline.contract import CONTRACTS
+    from pairforge.shards.storage import OutputDir
+
+    made = [i for c in CONTRACTS.values() for i in c.inputs if i.made_by]
+    assert {(i.name, i.made_by) for i in made} == {("raw", "download"), ("dedup", "dedup")}
+    for needed in made:
+        assert preflight._finished(OutputDir(str(tmp_path)), needed.name) is False
+        assert needed.name in preflight._WHAT and needed.name in preflight._HOW

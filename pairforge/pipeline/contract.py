@@ -81,12 +81,32 @@ class Resources:
     cpu_reserve: float = 0.0
 
 
+def _always(cfg: PairforgeConfig) -> bool:
+    return True
+
+
+def _when_dedup(cfg: PairforgeConfig) -> bool:
+    return cfg.dedup.enabled
+
+
+@dataclass(frozen=True)
+class StageInput:
+    """What a stage reads: a name under OUT (shards/storage.py's) or a config key. An
+    earlier stage's output names that stage (``made_by``) and when a run of this stage
+    cannot start without it (``needed``; None: optional, e.g. a cache it reuses when there):
+    preflight asks each such input whether it is there, and names the stage to run first."""
+
+    name: str
+    made_by: str | None = None
+    needed: Callable[[PairforgeConfig], bool] | None = None
+
+
 @dataclass(frozen=True)
 class StageContract:
     name: str
     sections: tuple[str, ...]  # the config sections its code is handed
-    inputs: tuple[str, ...]  # under OUT (shards/storage.py's names), or the input itself
-    outputs: tuple[str, ...]
+    inputs: tuple[StageInput, ...]
+    outputs: tuple[str, ...]  # under OUT
     resources: Resources
     digest: Digest
     shared: tuple[str, ...] = field(default=tuple(SHARED))
@@ -107,7 +127,8 @@ def _download_derived(cfg: PairforgeConfig) -> dict[str, Any]:
 
 DOWNLOAD = StageContract(
     "download", sections=("input", "download", "output", "ray"),
-    inputs=("input.path", SPLIT_FOLDER), outputs=(SPLIT_FOLDER, RAW_FOLDER),
+    inputs=(StageInput("input.path"), StageInput(SPLIT_FOLDER)),
+    outputs=(SPLIT_FOLDER, RAW_FOLDER),
     resources=Resources(task_cpus=1,
                         in_flight=lambda cfg, cpus: cfg.download.processes or cpus),
     digest=Digest({"input": ("storage_options",), "download": DOWNLOAD_SPEED_KEYS},
@@ -120,14 +141,18 @@ READ_CPUS = 0.5
 
 DEDUP = StageContract(
     "dedup", sections=("dedup", "output", "ray"),
-    inputs=(RAW_FOLDER, "dedup.index"), outputs=(DEDUP_FOLDER,),
+    inputs=(StageInput(RAW_FOLDER, "download", _when_dedup), StageInput("dedup.index")),
+    outputs=(DEDUP_FOLDER,),
     resources=Resources(task_cpus=WAVE_TASK_CPUS, read_cpus=READ_CPUS),
     # semantic dedup is stage 3's pass: its settings do not make this stage stale
     digest=Digest({"dedup": ("semantic",)}, inputs=("raw parquet files", "dedup.index files")))
 
 SEMANTIC = StageContract(
     "semantic", sections=("dedup.semantic", "output", "ray"),
-    inputs=(SCORES_FOLDER, EMBEDDINGS_FOLDER, DEDUP_FOLDER), outputs=(DEDUP_FOLDER,),
+    # made by stage 3's scoring pass and stage 2, within the same `process` run
+    inputs=(StageInput(SCORES_FOLDER), StageInput(EMBEDDINGS_FOLDER),
+            StageInput(DEDUP_FOLDER)),
+    outputs=(DEDUP_FOLDER,),
     resources=Resources(task_cpus=WAVE_TASK_CPUS, read_cpus=READ_CPUS),
     digest=Digest({"dedup.semantic": ()},
                   inputs=("stage 3's settings digest", "the score cut", "embedding files")))
@@ -141,7 +166,9 @@ TASK_CPUS = 0.25  # each task of stage 3: reading a raw shard, a plain step, wri
 
 PROCESS = StageContract(
     "process", sections=("process", "dedup", "output", "ray"),
-    inputs=(RAW_FOLDER, DEDUP_FOLDER, SCORES_FOLDER, EMBEDDINGS_FOLDER),
+    inputs=(StageInput(RAW_FOLDER, "download", _always),
+            StageInput(DEDUP_FOLDER, "dedup", _when_dedup),
+            StageInput(SCORES_FOLDER), StageInput(EMBEDDINGS_FOLDER)),  # its own caches
     outputs=(SHARDS_FOLDER, SCORES_FOLDER, EMBEDDINGS_FOLDER, MANIFEST),
     resources=Resources(task_cpus=TASK_CPUS, pools=True, cpu_reserve=TASK_CPU_RESERVE),
     # the dedup decisions; the writer's task labels

@@ -21,11 +21,11 @@ cluster the workers need the same cache (or a shared ``HF_HUB_CACHE``).
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from pairforge.config import ConfigError, PairforgeConfig
 from pairforge.download.input_checks import input_problems
-from pairforge.pipeline.contract import step_config
+from pairforge.pipeline.contract import CONTRACTS, step_config
 from pairforge.shards.output_checks import output_problems
 from pairforge.sources import ServedModel, error_reason
 
@@ -83,21 +83,37 @@ def check_model_sources(cfg: PairforgeConfig) -> None:
 # -- files and folders ---------------------------------------------------------------------
 
 def earlier_stage_problems(cfg: PairforgeConfig, stage: Stage) -> list[str]:
-    """A stage run on its own needs the output of the stages before it."""
-    from pairforge.shards.raw import completed_shards
-    from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER, OutputDir
+    """A stage run on its own needs the output of the stages before it: each input its
+    contract says an earlier stage makes and it cannot start without, first missing first."""
+    from pairforge.shards.storage import OutputDir
 
-    if stage not in ("dedup", "process") or (stage == "dedup" and not cfg.dedup.enabled):
+    contract = CONTRACTS.get(stage)
+    if contract is None:
         return []
     out = OutputDir(cfg.output.path, cfg.output.storage_options)
-    if not completed_shards(out, RAW_FOLDER):
-        return [f"output.path: {cfg.output.path} has no complete raw shards: run "
-                "`pairforge download` (or `pairforge build`) first"]
-    if stage == "process" and cfg.dedup.enabled and not out.exists(DEDUP_FOLDER,
-                                                                    "dedup_stats.json"):
-        return [f"output.path: {cfg.output.path} has no finished dedup: run `pairforge dedup` "
-                "first, or set dedup.enabled=false"]
+    for needed in contract.inputs:
+        wanted = needed.made_by and needed.needed and needed.needed(cfg)
+        if wanted and not _finished(out, needed.name):
+            return [f"output.path: {cfg.output.path} has no {_WHAT[needed.name]}: run "
+                    f"`pairforge {needed.made_by}` {_HOW[needed.name]}"]
     return []
+
+
+# what an earlier stage's finished output is, said to a user who has not run it
+_WHAT = {"raw": "complete raw shards", "dedup": "finished dedup"}
+_HOW = {"raw": "(or `pairforge build`) first", "dedup": "first, or set dedup.enabled=false"}
+
+
+def _finished(out: Any, name: str) -> bool:
+    """Whether an earlier stage's output under OUT (an ``OutputDir``) is complete."""
+    from pairforge.shards.raw import completed_shards
+    from pairforge.shards.storage import DEDUP_FOLDER, RAW_FOLDER
+
+    if name == RAW_FOLDER:
+        return bool(completed_shards(out, RAW_FOLDER))
+    if name == DEDUP_FOLDER:
+        return out.exists(DEDUP_FOLDER, "dedup_stats.json")
+    raise ValueError(f"no rule says when {name!r} is finished")
 
 
 def dedup_index_problems(cfg: PairforgeConfig) -> list[str]:
