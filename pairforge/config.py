@@ -405,12 +405,26 @@ class OpenAIServerConfig(Strict):
     """An OpenAI-compatible chat-completions server (vLLM, SGLang, TGI) for recaptioning.
 
     vLLM is not a pairforge extra: its wheel pins another torch, transformers and numpy
-    than pairforge's. Run it as a server (in its own environment, or its own image on the
-    cluster) and point ``base_url`` at it, e.g. ``vllm serve
-    HuggingFaceTB/SmolVLM-256M-Instruct --port 8000`` with ``backend: openai``, ``model:``
-    the served name, and ``concurrency`` times ``pool_size`` in the hundreds (what vLLM's
-    continuous batching needs to fill a GPU). Each actor keeps ``concurrency`` requests in
-    flight across its batches (docs/ARCHITECTURE.md, "Captioning through a server")."""
+    than pairforge's (``pip install --dry-run vllm``: vllm 0.33.0 wants torch 2.14.0).
+    Run it as a server in its own environment or image and point ``base_url`` at it, with
+    ``backend: openai``, ``model:`` the served name, and ``pool_size`` x ``concurrency`` in
+    the hundreds per server (what its continuous batching needs to fill a GPU). Each actor
+    keeps ``concurrency`` requests in flight across its batches (docs/ARCHITECTURE.md).
+    On a Ray cluster, e.g.: on each GPU node ``vllm serve HuggingFaceTB/SmolVLM-256M-Instruct
+    --port 8000 --max-num-seqs 256``, one address in front of them (a load balancer), and
+    the recaption pool on CPUs only::
+
+        process:
+          recaption:
+            enabled: true
+            backend: openai
+            model: HuggingFaceTB/SmolVLM-256M-Instruct
+            pool_size: 4          # CPU actors: they encode JPEGs and wait on HTTP
+            num_gpus: 0
+            batch_size: 32
+            openai: {base_url: "http://vllm-lb.internal:8000/v1", concurrency: 64}
+
+    (256 requests in flight in all; each actor runs 8 x 64 / 32 = 16 batches at once)."""
 
     base_url: str = Field("http://127.0.0.1:8000/v1", description="the server's /v1 URL")
     api_key_env: str = Field("OPENAI_API_KEY",
