@@ -29,6 +29,10 @@ from pairforge.scenes.clip_files import CHECKPOINT, MODEL_NAME, NOUN_PROMPT, SHI
 from pairforge.scenes.corrupt import change_attributes
 from pairforge.scenes.world import SHAPES, Scene, render, scenes
 
+# a concept the captions never state: without it the embedding learns to ignore the stamp,
+# and no head over it can find one (scenes/watermark.py)
+WATERMARK_PROMPT = "a photo with a watermark"
+
 # a tiny ViT (4-px patches: a small shape spans two) and a narrow text tower: the token
 # embedding (vocab x text width) is most of the file, so the text width stays small
 MODEL_CONFIG: dict[str, Any] = {
@@ -61,7 +65,8 @@ def hard_negatives(batch: list[Scene], rng: random.Random, k: int) -> list[str]:
 def _losses(model: Any, clip_loss: Any, pixels: Any, tokens: Any, negatives: Any,
             nouns: Any, present: Any, k: int) -> tuple[Any, Any, Any]:
     """ClipLoss over the batch; cross-entropy of each image's own caption against its
-    ``k`` attribute changes; sigmoid loss of each image against the noun prompts."""
+    ``k`` attribute changes; sigmoid loss of each image against the concept prompts (the
+    shapes' nouns, the watermark)."""
     import torch
     import torch.nn.functional as F
 
@@ -76,7 +81,7 @@ def _losses(model: Any, clip_loss: Any, pixels: Any, tokens: Any, negatives: Any
     target = torch.zeros(n, dtype=torch.long, device=image.device)
     attribute = F.cross_entropy(scale * torch.cat([own, changed], dim=1), target)
     noun_text = model.encode_text(nouns, normalize=True)
-    # a fixed affine map: present nouns pushed above a cosine of 0.25, absent below
+    # a fixed affine map: present concepts pushed above a cosine of 0.25, absent below
     grounding = F.binary_cross_entropy_with_logits(10 * (image @ noun_text.T - 0.25), present)
     return contrastive, attribute, grounding
 
@@ -89,17 +94,25 @@ def _schedule(optimizer: Any, steps: int) -> Any:
         (s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
 
 
-def _data(train: list[Scene], preprocess: Any, tokenizer: Any) -> tuple[Any, Any, Any, Any]:
-    """Pixels and tokens of the training scenes (made once), the noun prompts' tokens and
-    which shapes each scene shows."""
+def _data(train: list[Scene], preprocess: Any, tokenizer: Any, stamped: float
+          ) -> tuple[Any, Any, Any, Any]:
+    """Pixels and tokens of the training scenes (made once; a seeded ``stamped`` share of
+    the pictures carry the stock watermark, their captions unchanged, as on the web), the
+    concept prompts' tokens and which concepts each picture shows."""
     import torch
 
-    pixels = torch.stack([preprocess(render(s, SIDE)) for s in train])
+    from pairforge.scenes.watermark import stamp
+
+    marked = set(random.Random("pairforge-scenes-clip-stamps").sample(
+        range(len(train)), round(stamped * len(train))))
+    pictures = [render(s, SIDE) for s in train]
+    pictures = [stamp(p, seed=i) if i in marked else p for i, p in enumerate(pictures)]
+    pixels = torch.stack([preprocess(p) for p in pictures])
     tokens = tokenizer([s.sentence for s in train])
-    nouns = tokenizer([NOUN_PROMPT.format(shape) for shape in SHAPES])
+    concepts = tokenizer([NOUN_PROMPT.format(shape) for shape in SHAPES] + [WATERMARK_PROMPT])
     present = torch.tensor([[float(any(t.shape == shape for t in s.things)) for shape in SHAPES]
-                            for s in train])
-    return pixels, tokens, nouns, present
+                            + [float(i in marked)] for i, s in enumerate(train)])
+    return pixels, tokens, concepts, present
 
 
 def fit(model: Any, tokenizer: Any, data: tuple, train: list[Scene], steps: int,
@@ -120,7 +133,7 @@ def fit(model: Any, tokenizer: Any, data: tuple, train: list[Scene], steps: int,
         negatives = tokenizer(hard_negatives([train[i] for i in pick.tolist()], rng, k))
         losses = _losses(model, clip_loss, pixels[pick], tokens[pick], negatives, nouns,
                          present[pick], k)
-        loss = sum(losses)
+        loss = losses[0] + losses[1] + 2 * losses[2]  # the concepts: few prompts, weak pull
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -131,7 +144,7 @@ def fit(model: Any, tokenizer: Any, data: tuple, train: list[Scene], steps: int,
         if log and (step % 100 == 0 or step == steps - 1):
             log(f"step {step}/{steps} " + " ".join(
                 f"{name} {v.item():.3f}" for name, v in
-                zip(("clip", "attribute", "grounding"), losses, strict=True)))
+                zip(("clip", "attribute", "concepts"), losses, strict=True)))
     model.eval()
 
 
@@ -146,7 +159,8 @@ def save(model: Any, folder: Path) -> Path:
 
 def train_clip(out: str | Path, n_train: int = 12000, steps: int = 600,
                batch_size: int = 128, lr: float = 2e-3, negatives: int = 2,
-               n_eval: int = 500, seed: int = 0, log: Any = print) -> dict[str, Any]:
+               stamped: float = 0.1, n_eval: int = 500, seed: int = 0,
+               log: Any = print) -> dict[str, Any]:
     """Build, teach and evaluate the world CLIP; save it in ``out`` with its report."""
     from pairforge.scenes.clip_eval import evaluate
 
@@ -154,13 +168,13 @@ def train_clip(out: str | Path, n_train: int = 12000, steps: int = 600,
     folder = Path(out)
     train = scenes(n_train, "captioner")
     model, preprocess, tokenizer = create(folder, seed)
-    fit(model, tokenizer, _data(train, preprocess, tokenizer), train, steps, batch_size,
-        lr, negatives, seed, log)
+    data = _data(train, preprocess, tokenizer, stamped)
+    fit(model, tokenizer, data, train, steps, batch_size, lr, negatives, seed, log)
     save(model, folder)
     trained = round(time.perf_counter() - started, 1)
     report = {"model": MODEL_NAME, "config": MODEL_CONFIG, "train_scenes": n_train,
               "split": "captioner", "steps": steps, "batch_size": batch_size, "lr": lr,
-              "hard_negatives_per_image": negatives, "seed": seed,
+              "hard_negatives_per_image": negatives, "stamped_share": stamped, "seed": seed,
               "train_seconds": trained, "checkpoint_bytes": (folder / CHECKPOINT).stat().st_size,
               **evaluate(folder, n_eval)}
     (folder / "scenes_report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -178,6 +192,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--negatives", type=int, default=2,
                         help="attribute-changed captions per image and step")
+    parser.add_argument("--stamped", type=float, default=0.1,
+                        help="share of training pictures carrying the watermark")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args()
@@ -185,7 +201,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)  # one thread: a shared machine's cores stall two
     train_clip(args.out, args.train, args.steps, args.batch_size, args.lr, args.negatives,
-               seed=args.seed)
+               args.stamped, seed=args.seed)
 
 
 if __name__ == "__main__":
