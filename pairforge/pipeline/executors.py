@@ -1,14 +1,17 @@
-"""The generic ways stages run Ray tasks, knowing no stage: bounded tasks and waves.
+"""The generic ways stages run Ray work, knowing no stage: bounded tasks, waves, Ray Data.
 
 - ``run_bounded``: at most ``limit`` tasks in flight over a list of items, each result
   handed over as it finishes (stage 1's shard tasks, its splitting pass,
   ``download --retry-failed``);
 - ``Waves``: waves of tasks whose small results come back in call order or folded as they
-  arrive (stage 2 and the semantic pass, over partitioned files).
+  arrive (stage 2 and the semantic pass, over partitioned files);
+- Ray Data (stage 3): ``data_items`` starts a dataset, ``data_tasks`` appends a function
+  run in plain tasks, ``data_pool`` a class run in a fixed pool of actors.
 
-Stage 3 runs on Ray Data (pipeline/placement.py, pipeline/stream.py). No domain package
-imports this module (tests/test_architecture.py); what each stage asks Ray for is its
-contract's (pipeline/contract.py).
+What runs where is the callers': stage 3's ``pipeline/placement.py`` says which step runs
+in which pool with which resources, ``pipeline/stream.py`` reads and writes around them.
+No domain package imports this module (tests/test_architecture.py); what each stage asks
+Ray for is its contract's (pipeline/contract.py).
 """
 
 from __future__ import annotations
@@ -130,3 +133,38 @@ def cluster_cpus() -> int:
     import ray
 
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+# -- Ray Data ---------------------------------------------------------------------------
+
+def data_items(items: list[dict[str, Any]]) -> Any:
+    """A dataset of ``items``, one block each (each a task of the operators after it)."""
+    import ray
+
+    return ray.data.from_items(items, override_num_blocks=len(items))
+
+
+def data_tasks(ds: Any, fn: Callable[..., Any], num_cpus: float, *, batch_size: int | None = None,
+               fn_args: tuple = (), fn_kwargs: dict[str, Any] | None = None) -> Any:
+    """``fn`` over pyarrow batches (whole blocks by default) in plain tasks asking
+    ``num_cpus``: Ray's default of one CPU would wait behind actor pools holding them."""
+    return ds.map_batches(fn, batch_size=batch_size, batch_format="pyarrow", num_cpus=num_cpus,
+                          fn_args=fn_args, fn_kwargs=fn_kwargs or {})
+
+
+def data_pool(ds: Any, cls: type, *, size: int, batch_size: int, num_cpus: float,
+              concurrent: int = 1, constructor_args: tuple = (),
+              fn_kwargs: dict[str, Any] | None = None, **ray_args: Any) -> Any:
+    """``cls`` over pyarrow batches in a fixed pool of ``size`` actors, each constructed
+    once; with ``concurrent`` above 1 each actor runs that many calls at once in threads
+    (Ray Data serialises an actor's calls unless told otherwise, and queues at most twice
+    its concurrency of tasks on it), each call one block of batches. ``ray_args``:
+    ``num_gpus``, ``resources``."""
+    from ray.data import ActorPoolStrategy
+
+    compute = (ActorPoolStrategy(size=size) if concurrent <= 1 else
+               ActorPoolStrategy(size=size, max_concurrent_calls_per_actor=concurrent,
+                                 enable_true_multi_threading=True))
+    return ds.map_batches(cls, fn_constructor_args=constructor_args, batch_size=batch_size,
+                          batch_format="pyarrow", fn_kwargs=fn_kwargs or {}, compute=compute,
+                          num_cpus=num_cpus, **ray_args)

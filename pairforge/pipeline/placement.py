@@ -16,6 +16,7 @@ import pyarrow as pa
 from pairforge.config import ConfigError, ModelPoolConfig, PairforgeConfig
 from pairforge.images import ImageView, decode_views, unique_views
 from pairforge.pipeline.contract import TASK_CPU_RESERVE, TASK_CPUS, step_config
+from pairforge.pipeline.executors import data_pool, data_tasks
 from pairforge.pipeline.ray_private import cut_into_blocks
 from pairforge.stage import ModelStep, Step, StepConfig
 
@@ -149,26 +150,13 @@ def _decode_views(ds: Any, views: tuple[ImageView, ...]) -> Any:
     # a CPU task per block ahead of the pools: decoding overlaps the models' work
     if not views:
         return ds
-    return ds.map_batches(decode_views, batch_size=None, batch_format="pyarrow",
-                          fn_kwargs={"views": views}, num_cpus=TASK_CPUS)
+    return data_tasks(ds, decode_views, TASK_CPUS, fn_kwargs={"views": views})
 
 
 def _cut_into_blocks(ds: Any, rows: int) -> Any:
     # Ray asks one CPU for each repartition task, which the actor pools may all hold: the
     # stage would hang. At the plain tasks' fraction Ray fuses it into the task before it.
     return cut_into_blocks(ds, rows, num_cpus=TASK_CPUS)
-
-
-def _actor_pool(size: int, concurrent: int) -> Any:
-    """A fixed pool; with ``concurrent`` above 1, each actor runs that many calls at once in
-    threads (Ray Data serialises an actor's calls unless told otherwise, and queues at most
-    twice its concurrency of tasks on it), each call one block of batches."""
-    from ray.data import ActorPoolStrategy
-
-    if concurrent <= 1:
-        return ActorPoolStrategy(size=size)
-    return ActorPoolStrategy(size=size, max_concurrent_calls_per_actor=concurrent,
-                             enable_true_multi_threading=True)
 
 
 def add_step(ds: Any, step_cls: type[Step], cfg: StepConfig,
@@ -189,9 +177,8 @@ def add_step(ds: Any, step_cls: type[Step], cfg: StepConfig,
             # one batch per block: an actor's concurrent calls are blocks, and blocks of
             # many batches would need that many blocks queued on each actor
             ds = _cut_into_blocks(ds, pool.call_rows)
-        return ds.map_batches(step_cls, fn_constructor_args=(cfg,), batch_size=pool.call_rows,
-                              batch_format="pyarrow", fn_kwargs={"drop": drop},
-                              compute=_actor_pool(pool.pool_size, concurrent),
-                              num_cpus=num_cpus, **extra)
-    return ds.map_batches(functools.partial(_run_plain_step, step_cls, cfg), batch_size=None,
-                          batch_format="pyarrow", fn_kwargs={"drop": drop}, num_cpus=TASK_CPUS)
+        return data_pool(ds, step_cls, size=pool.pool_size, batch_size=pool.call_rows,
+                         num_cpus=num_cpus, concurrent=concurrent, constructor_args=(cfg,),
+                         fn_kwargs={"drop": drop}, **extra)
+    return data_tasks(ds, functools.partial(_run_plain_step, step_cls, cfg), TASK_CPUS,
+                      fn_kwargs={"drop": drop})

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from pairforge.config import PairforgeConfig
 from pairforge.pipeline import placement
+from pairforge.pipeline.executors import data_items, data_tasks
 from pairforge.pipeline.placement import TASK_CPUS, add_steps, fit_actor_cpus
 from pairforge.pipeline.plan import Decisions, ShardPlan
 from pairforge.pipeline.progress import StageDisplay
@@ -344,15 +345,12 @@ def _chain(cfg: PairforgeConfig, out: OutputDir, todo: list[ShardPlan],
     import ray
 
     # each reading task reads its own shard's duplicates, the driver none
-    ds = ray.data.from_items([{"shard": p.shard_id} for p in todo],
-                             override_num_blocks=len(todo))
-    ds = ds.map_batches(load_rows, batch_size=1, batch_format="pyarrow", num_cpus=TASK_CPUS,
-                        fn_args=(out.url, cfg.output.storage_options, todo[0].decisions,
-                                 *_cached_columns(steps)))
+    ds = data_items([{"shard": p.shard_id} for p in todo])
+    ds = data_tasks(ds, load_rows, TASK_CPUS, batch_size=1,
+                    fn_args=(out.url, cfg.output.storage_options, todo[0].decisions,
+                             *_cached_columns(steps)))
     actor_cpus = fit_actor_cpus(steps, cfg, ray.cluster_resources().get("CPU", 1.0))
     ds = add_steps(ds, steps, cfg, actor_cpus, drop_after=chain.drop,
                    block_rows=chain.block_rows)
-    return ds.map_batches(write_fragments, batch_size=None, batch_format="pyarrow",
-                          num_cpus=TASK_CPUS,
-                          fn_args=(out.url, cfg.output.storage_options,
-                                   [s.name for s in steps]))
+    return data_tasks(ds, write_fragments, TASK_CPUS,
+                      fn_args=(out.url, cfg.output.storage_options, [s.name for s in steps]))
