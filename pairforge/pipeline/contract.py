@@ -106,10 +106,11 @@ class StageContract:
     name: str
     sections: tuple[str, ...]  # the config sections its code is handed
     inputs: tuple[StageInput, ...]
-    outputs: tuple[str, ...]  # under OUT
+    outputs: tuple[str, ...]  # folders under OUT: a run ends with no temporary left in them
     resources: Resources
     digest: Digest
     shared: tuple[str, ...] = field(default=tuple(SHARED))
+    output_files: tuple[str, ...] = ()  # files under OUT
 
 
 DOWNLOAD_SPEED_KEYS = ("threads", "image_threads", "processes", "per_host_connections",
@@ -169,7 +170,7 @@ PROCESS = StageContract(
     inputs=(StageInput(RAW_FOLDER, "download", _always),
             StageInput(DEDUP_FOLDER, "dedup", _when_dedup),
             StageInput(SCORES_FOLDER), StageInput(EMBEDDINGS_FOLDER)),  # its own caches
-    outputs=(SHARDS_FOLDER, SCORES_FOLDER, EMBEDDINGS_FOLDER, MANIFEST),
+    outputs=(SHARDS_FOLDER, SCORES_FOLDER, EMBEDDINGS_FOLDER), output_files=(MANIFEST,),
     resources=Resources(task_cpus=TASK_CPUS, pools=True, cpu_reserve=TASK_CPU_RESERVE),
     # the dedup decisions; the writer's task labels
     digest=Digest({"dedup": (), "process.tasks": ()}, steps=True))

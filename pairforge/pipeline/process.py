@@ -21,7 +21,7 @@ from typing import Any
 from pairforge.config import PairforgeConfig
 from pairforge.pipeline.caption_index import compact_caption_caches
 from pairforge.pipeline.chain import enabled_steps, stage_steps
-from pairforge.pipeline.contract import step_config, with_step_config
+from pairforge.pipeline.contract import PROCESS, step_config, with_step_config
 from pairforge.pipeline.entry import RunOptions, summarise
 from pairforge.pipeline.placement import check_gpu_demand
 from pairforge.pipeline.plan import plan_shards
@@ -36,7 +36,6 @@ from pairforge.pipeline.write import write_scores_task, write_shard_task
 from pairforge.shards.manifest import Manifest, build_manifest, write_dataset_files
 from pairforge.shards.raw import completed_shards, stats_name
 from pairforge.shards.storage import (
-    EMBEDDINGS_FOLDER,
     RAW_FOLDER,
     SCORES_FOLDER,
     SHARDS_FOLDER,
@@ -149,7 +148,7 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
     for plan in plans:
         log_shard(out, SHARDS_FOLDER, out.read_json(SHARDS_FOLDER, stats_name(plan.shard_id)))
     # a writer attempt lost with its node leaves its temporary file; its retry wrote the shard
-    for folder in (SHARDS_FOLDER, SCORES_FOLDER, EMBEDDINGS_FOLDER):
+    for folder in PROCESS.outputs:
         out.remove_temporaries(folder)
     remove_fragment_folder(out)
     seconds = time.time() - started
