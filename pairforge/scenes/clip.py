@@ -5,8 +5,10 @@ classifier read a model that knows what the pictures show.
 It learns on the ``captioner`` split (world renders with their exact captions, written as
 sentences like every caption source of the pipeline) with open_clip's ClipLoss (InfoNCE over
 the batch), plus two terms the in-batch negatives alone teach poorly: each image against
-captions with one attribute changed (hard negatives, as NegCLIP) and against the
-grounding step's noun prompts ("a photo of a circle": present shapes positive). It is judged
+captions with one attribute changed (hard negatives, as NegCLIP) and against concept
+prompts: the grounding step's noun prompts ("a photo of a circle": shapes shown positive)
+and "a photo with a watermark" (a seeded 10 % of the pictures stamped, their captions
+unchanged: the demo's watermark head reads this embedding, scenes/watermark.py). It is judged
 on held-out scenes by clip_eval.py. ``python -m pairforge.scenes.clip OUT`` trains it (the
 copy shipped in pairforge/sample/clip was made so) and writes ``scenes_report.json``.
 
