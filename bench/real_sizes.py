@@ -2,16 +2,18 @@
 process on a pyarrow batch as the tests call it, against its bare library loop on the same
 images, batch size and torch threads.
 
-    python bench/real_sizes.py [--quick] [--json FILE] [--models clip vlm vq]
-                               [--threads 2] [--clip-images 16] [--vlm-captions 8]
-                               [--vq-images 16]
+    python bench/real_sizes.py [--quick] [--json FILE] [--models vlm clip vq]
+                               [--threads 2] [--batch-size 4] [--clip-images 8]
+                               [--vlm-captions 4] [--vlm-batch 2] [--vlm-constrained]
+                               [--max-new-tokens 16] [--vq-images 8]
 
 Models (the published architectures, random weights: no hub is reachable here, and the
 compute does not depend on the weights):
 
-- clip: open_clip ``ViT-L-14`` (``pretrained=None``), batch 8. Step: ``ClipStep``
-  (score_only: image and caption embeddings, cosine). Bare: ``create_model_and_transforms``,
-  decode + preprocess, ``encode_image``, ``encode_text``, normalise, cosine.
+- clip: open_clip ``ViT-L-14`` (``pretrained=None``), batch ``--batch-size``. Step:
+  ``ClipStep`` (score_only: image and caption embeddings, cosine). Bare:
+  ``create_model_and_transforms``, decode + preprocess, ``encode_image``, ``encode_text``,
+  normalise, cosine.
 - vlm: SmolVLM-256M-Instruct's architecture (Idefics3: SigLIP-B/16 at 512 px, 12 layers;
   SmolLM2-135M text model, 30 layers, 576 wide, vocabulary 49,280; pixel shuffle 4, so 64
   image tokens per 512-px tile), built ``from_config`` and saved with ``save_pretrained``
@@ -20,21 +22,26 @@ compute does not depend on the weights):
   dial, passed to both arms). Random weights never emit the end token, so every caption is
   ``--max-new-tokens`` long: ``min_new_tokens`` equal to it in both arms (the step through
   the saved ``generation_config``). Step: ``RecaptionStep`` (cache and grounding off; the
-  checks and their strict retry on, as in a build: retries are counted) with constrained
-  decoding off, and again with it on. Bare: ``AutoProcessor`` + ``AutoModelForImageTextToText``,
-  the chat template with the step's prompt, ``generate``, ``batch_decode``.
+  checks and their strict retry on, as in a build: retries are counted, by the problem the
+  checks found) with constrained decoding off (``--vlm-constrained``: a third arm with it
+  on). Bare: ``AutoProcessor`` + ``AutoModelForImageTextToText``, the chat template with
+  the step's prompt, ``generate``, ``batch_decode``.
 - vq: Chameleon's VQ-VAE (transformers ``ChameleonVQVAE``, the published config) at 256 px,
   its image processor saved at 256. Step: ``TokenizeStep`` (byte caption tokens). Bare:
   ``ChameleonImageProcessor`` + ``ChameleonVQVAE.encode``.
 
 Timing: the first batch of each arm is a warm-up and not counted; then the arms take turns
 batch by batch (which one goes first alternates), so a neighbour's load on this shared
-machine falls on both. The ratio is the step's rate over the bare loop's. The step decodes
-its own images (called alone, as the bare loop does); photos are the COCO sample's
-(../shared/data), else synthesised 640x480 JPEGs. ``--quick``: fewer images per model.
-``--json FILE``: ``{"load_average": [..], "threads": N, "models": {name: {"step_per_s",
-"bare_per_s", "ratio", "seconds_per_item_step", "seconds_per_item_bare", "items", "batch_size",
-...}}}``.
+machine falls on both. The ratio is the step's rate over the bare loop's. Counts are
+small (a ViT-L/14 image is ~160 GFLOP, a SmolVLM caption ~250): on the shared 2-core host
+each model takes minutes; one model per process (``--models``) finishes sooner there. The
+step decodes its own images (called alone, as the bare loop does); photos are the COCO
+sample's (../shared/data), else synthesised 640x480 JPEGs. ``--quick``: one counted batch
+per model. ``--json FILE`` (rewritten after each model): ``{"load_average_before",
+"load_average_after", "threads", "models": {name: {"items", "batch_size",
+"seconds_per_item_bare", "bare_per_s", "seconds_per_item_step", "step_per_s",
+"ratio_step", "ratio", "wall_s", ...}}}``; the VLM adds ``strict_retries`` (per step arm,
+captions sent back by problem).
 """
 
 from __future__ import annotations
@@ -280,15 +287,16 @@ def vq_arms(folder: Path, bs: int, threads: int | None, work: Path,
     return step, bare
 
 
-def counting_retries(step: Any, name: str, retried: dict[str, int]) -> Callable:
-    """The recaption step as an arm that adds up the captions its checks sent back for a
-    strict second try (each one a second generation the bare loop does not make)."""
-    retried[name] = 0
+def counting_retries(step: Any, name: str, retried: dict[str, Any]) -> Callable:
+    """The recaption step as an arm that counts the captions its checks sent back for a
+    strict second try (each one a second generation the bare loop does not make), by the
+    problem the checks found, warm-up batch included."""
+    retried[name] = {}
 
     def run(batch: pa.Table) -> None:
-        flags = step(batch)["recaption_flags"].to_pylist()
-        retried[name] += sum(any(f.startswith("regenerated:") for f in fl or [])
-                             for fl in flags)
+        for flags in step(batch)["recaption_flags"].to_pylist():
+            for problem in {f.split(":")[1] for f in flags or [] if f.startswith("regenerated:")}:
+                retried[name][problem] = retried[name].get(problem, 0) + 1
     return run
 
 
@@ -343,7 +351,7 @@ def run_vlm(args: Any, work: Path) -> dict[str, Any]:
     bs, n, new = args.vlm_batch, args.vlm_captions, args.max_new_tokens
     folder = save_smolvlm(work / "smolvlm", max_new_tokens=new)
     variants = (("step", False), ("step_constrained", True))[:2 if args.vlm_constrained else 1]
-    retried: dict[str, int] = {}
+    retried: dict[str, Any] = {}
     arms = {name: counting_retries(RecaptionStep(step_config(vlm_process(
         folder, bs, args.threads, new, constrained), work)), name, retried)
         for name, constrained in variants}

@@ -284,7 +284,7 @@ def vlm(sizes: dict[str, Any], device: str, work: Path) -> dict[str, Any]:
     folder = rs.save_smolvlm(work / "smolvlm", sizes["size"], new)
     side = 512 if sizes["size"] == "real" else 64
     arms: dict[str, Callable] = {}
-    retried: dict[str, int] = {}
+    retried: dict[str, Any] = {}
     for name, constrained in (("constrained_on", True), ("constrained_off", False)):
         process = rs.vlm_process(folder, bs, None, new, constrained)
         process["recaption"].update(num_gpus=1 if device == "cuda" else 0,
@@ -376,6 +376,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=480,
                         help="parts that would start after this are skipped")
     parser.add_argument("--cpu-smoke", action="store_true")
+    parser.add_argument("--parts", nargs="+", help="run only these parts (a rerun)")
     args = parser.parse_args()
     import torch
 
@@ -392,6 +393,8 @@ def main() -> None:
         sizes = smoke_clip(work) if args.cpu_smoke else dict(GPU_SIZES)
         results["sizes"] = sizes
         for name, part, needs in parts(sizes, device, work):
+            if args.parts and name not in args.parts:
+                continue
             results["parts"][name] = timed_part(name, part, sampler,
                                                 started + args.budget_s, needs)
             (args.out / "gpu.json").write_text(json.dumps(results, indent=1) + "\n")
