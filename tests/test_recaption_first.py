@@ -237,6 +237,11 @@ def _junk_alt_text_build(tmp_path: Path, recaption: bool, n: int = 200,
             tokenizer = process["tokenize"][section]
             tokenizer["path_or_id"] = str(SAMPLE.parents[1] / tokenizer["path_or_id"])
         process["recaption"]["model"] = str(SAMPLE / "captioner")
+        # what recaptioning does with junk alt-text, alone: the demo's world-CLIP filter,
+        # watermark classifier and grounding (which may end rows) only where asked
+        process.pop("clip", None)
+        process.pop("classifiers", None)
+        process["recaption"]["grounding"] = {"enabled": False}
         for section, values in (process_settings or {}).items():
             process.setdefault(section, {}).update(values)
         cfg = {**demo, "input": {"path": str(tmp_path / "in.csv"), "shard_size": 100},
