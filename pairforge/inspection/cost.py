@@ -18,6 +18,14 @@ Seconds are the steps' own (``manifest.steps``: time in ``process``, shared over
 of each batch), on whatever device the build ran: a CPU build's figures price CPU time.
 ``seconds_per_image`` replaces the measured recaption figure with one measured elsewhere
 (a GPU run), to project a CPU trial build onto the hardware the backfill will use.
+
+The 0.086 GPU-s per caption is an assumption: no GPU run has measured it yet
+(bench/gpu/run.sh is ready to, bench/RESULTS.md will hold its figure). Measured on CPU
+(bench/real_sizes.py; CPU, 2 cores shared with other work, random weights, so every caption
+runs its full 16 new tokens; 512-px input, 64 image tokens; batch 1): SmolVLM-256M's
+architecture took 1.8 s of wall time (3.6 CPU-s) per caption in a bare ``generate`` loop,
+about 20 times the assumed GPU figure, and 4.0 s in the recaption step, whose checks
+refused the random model's empty captions and generated each a second time.
 """
 
 from __future__ import annotations
