@@ -183,3 +183,21 @@ def test_the_generic_stage_3_driver_names_no_model():
     for name in ("process", "stream", "plan", "write", "placement"):
         assert "clip" not in (PACKAGE / "pipeline" / f"{name}.py").read_text().lower(), name
     assert "ClipStep" not in (PACKAGE / "pipeline" / "semantic_stage.py").read_text()
+
+
+def test_a_recaption_first_build_cuts_no_semantic_rows_by_a_score_clip_does_not_give():
+    """The scoring pass of a build whose CLIP judges the training caption (after recaptioning)
+    leaves clip_score empty: a cut at the threshold would keep no row for semantic dedup."""
+    from pairforge.config import parse_config
+    from pairforge.filters.clip import ClipStep
+    from pairforge.pipeline.contract import step_config
+
+    def cut(score: str, caption: str) -> float | None:
+        cfg = parse_config({"input": {"path": "x"}, "process": {
+            "clip": {"enabled": True, "threshold": 0.3, "score": score},
+            "recaption": {"enabled": True}, "tasks": {"caption": caption}}})
+        return ClipStep.score_cut(step_config(cfg))
+
+    assert cut("training", "recaption") is None and cut("both", "mix") is None
+    assert cut("original", "recaption") == 0.3  # the alt-text is judged in the first pass
+    assert cut("training", "original") == 0.3  # not recaption-first: judged here

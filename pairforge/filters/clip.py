@@ -222,8 +222,11 @@ class ClipStep(ScoringStep, ModelStep):
 
     @classmethod
     def score_cut(cls, cfg: StepConfig) -> float | None:
+        # in a recaption-first build judging the training caption, this step scores no
+        # caption (clip_training judges later): no row is known to be dropped yet
         clip = cfg.process.clip
-        return clip.threshold if clip.mode == "threshold" else None
+        judges_here = not cfg.process.recaption_first() or clip.score == "original"
+        return clip.threshold if clip.mode == "threshold" and judges_here else None
 
     @classmethod
     def saves_embeddings(cls, cfg: StepConfig) -> bool:
