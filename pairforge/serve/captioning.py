@@ -18,9 +18,14 @@ import numpy as np
 from pairforge.config import ClipConfig, RecaptionConfig, ServeCacheConfig
 from pairforge.images import model_device
 from pairforge.recaption.cache import CachedCaption
-from pairforge.recaption.checked import CheckedCaptioner
+from pairforge.recaption.checked import FAILED, CheckedCaptioner
 from pairforge.serve.cache import MISS, ServeCache
 from pairforge.serve.inputs import Upload
+
+
+class BackendUnavailable(RuntimeError):
+    """The captioning server gave no answer after its retries (the batch client turns that
+    into a row's ``failed:`` flag; a service answers 503 instead, and caches nothing)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,9 @@ class ReplicaCaptioner:
         given = known if self.embed_source == "clip" and all(
             v is not None for v in known) else None
         made = dict(zip(indices, self.checked.caption_images(images, given), strict=True))
+        reasons = sorted({f for e in made.values() for f in e.flags if f.startswith(FAILED)})
+        if reasons:  # nothing is cached; the batch's callers get 503 and Retry-After
+            raise BackendUnavailable(f"the captioning server gave no answer ({', '.join(reasons)})")
         for i, entry in made.items():
             self.cache.add(uploads[i].pixel_hash, uploads[i].phash, entry, vectors.get(i))
         return made
