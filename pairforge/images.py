@@ -36,10 +36,20 @@ PIXELS = pa.struct([("height", pa.int32()), ("width", pa.int32()),
                     ("data", pa.large_binary())])  # HWC uint8 RGB
 
 
+# Stage 1 writes raw images within its own caps (download.image.max_output_pixels); a raw
+# image past this one is not one it wrote, and is refused before its pixels are allocated.
+MAX_RAW_PIXELS = 64 * 1024 * 1024  # 192 MiB of RGB at most
+
+
 def decode_rgb(data: bytes | memoryview) -> Image.Image:
-    """An encoded image (a raw shard's bytes) as an RGB Pillow image."""
+    """An encoded image (a raw shard's bytes) as an RGB Pillow image; ValueError for one
+    whose header claims more than ``MAX_RAW_PIXELS``, before anything is decoded."""
     DECODES["rows"] += 1
-    return Image.open(io.BytesIO(data)).convert("RGB")
+    image = Image.open(io.BytesIO(data))
+    if image.width * image.height > MAX_RAW_PIXELS:
+        raise ValueError(f"{image.width}x{image.height} pixels is past stage 3's cap of "
+                         f"{MAX_RAW_PIXELS} for a raw image")
+    return image.convert("RGB")
 
 
 @dataclass(frozen=True)

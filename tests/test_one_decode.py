@@ -129,21 +129,26 @@ def test_a_view_column_holds_the_prepared_pixels(cfg):
 
 
 def test_an_image_that_no_longer_decodes_ends_its_row_not_the_stage(cfg):
-    """A raw tar damaged after stage 1 read it: the row ends decode_error with a message;
-    the other rows are decoded and go on."""
+    """A raw tar damaged after stage 1 read it, or an image past stage 3's pixel cap: the
+    row ends decode_error with a message, before a pixel is allocated; the others go on."""
     rows = _rows(4)
     data = rows["image"].to_pylist()
     data[1] = data[1][:40]  # a PNG cut short
+    huge = io.BytesIO()
+    Image.new("1", (8192, 8193)).save(huge, "PNG")  # a few KB claiming 67.1 M pixels
+    data[2] = huge.getvalue()
     rows = rows.set_column(rows.column_names.index("image"), "image",
                            pa.array(data, pa.large_binary()))
     views = chain_views(enabled_steps(cfg), step_config(cfg))
     decoded = images.decode_views(rows, views)
-    assert decoded["status"].to_pylist() == ["ok", "decode_error", "ok", "decode_error"]
+    assert decoded["status"].to_pylist() == ["ok", "decode_error", "decode_error",
+                                              "decode_error"]
     error = decoded["error"].to_pylist()[1]
     assert error.startswith("stage 3 could not decode the image: ")
+    assert "8192x8193 pixels is past stage 3's cap" in decoded["error"].to_pylist()[2]
     assert decoded["error"].to_pylist()[3] is None  # ended by stage 1: left as it was
     column = decoded[views[0].column].to_pylist()
-    assert column[1] is None and column[0] is not None and column[2] is not None
+    assert column[0] is not None and column[1] is None and column[2] is None
     handed = step_config(cfg)
     after = enabled_steps(cfg)[1](handed)(decoded)  # the first model step skips the row
     assert after["status"].to_pylist()[1] == "decode_error"
