@@ -35,7 +35,8 @@ SAMPLE = ROOT / "pairforge" / "sample"
 SCENES = sorted((SAMPLE / "images").glob("*.png"))
 TOKEN_ENV, TOKEN = "PAIRFORGE_HOSTILE_TOKEN", "hostile-s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-LOADED_S = 2.5  # the bound for the "< 1 s" targets on a loaded 2-core machine
+# the "< 1 s" targets on a loaded 2-core CI machine (the stalls guarded against last 30 s)
+LOADED_S = 5.0
 
 
 def _free_port() -> int:
@@ -422,8 +423,11 @@ def test_url_answers_do_not_tell_open_ports_from_closed(services) -> None:
 
 
 def test_slow_urls_do_not_delay_uploads(services) -> None:
-    """12 URLs that stall fill the URL pool (4 threads); an upload meanwhile goes through
-    the decode pool and the model at once."""
+    """12 URLs that stall fill the URL pool (4 threads, the fixture's 2-s deadline each, so
+    they answer in three rounds, at ~2, 4 and 6 s); an upload meanwhile goes through the
+    decode pool and the model at once. Were it queued behind them it would come back after
+    all 12: the assert is on that order, not on a clock (CI's load once took the upload to
+    2.6 s, past the first round)."""
     open_ = services["open"]
     stall = _stalling_listener()
     try:
@@ -432,11 +436,13 @@ def test_slow_urls_do_not_delay_uploads(services) -> None:
                                 f"/{i}.png") for i in range(12)]
             time.sleep(0.3)
             upload, upload_s = _timed(_caption, open_.url, 50)
+            answered_first = sum(future.done() for future in slow)
             answers = [future.result()[0].status_code for future in slow]
     finally:
         stall.close()
     _record("12 slow URLs: an upload meanwhile", upload_s)
-    assert upload.status_code == 200 and upload_s < LOADED_S, upload_s
+    assert upload.status_code == 200
+    assert answered_first <= 8, (answered_first, upload_s)  # before the last round
     assert answers == [422] * 12
 
 
