@@ -19,8 +19,10 @@ run less rerun). ``--quick`` stops at 10^6 rows. ``--json FILE`` writes
 {"<cache entries>": …}}`` (issue 48's layout). ``decodes_per_row`` counts image decodes
 through CLIP, a classifier, the captioner with CLIP grounding and the VQ
 (tests/test_one_decode.py's tiny models, in this process). ``--decode-arms`` runs each size
-again with every step decoding in its own actor (``PAIRFORGE_DECODE_IN_STEPS``, the layout
-before issue 48's decoding task): ``rows_per_s_decoding_in_steps``. ``--image-size 256``
+again under each ``process.decode.where`` (tasks: the decoding task, the default; actor: the
+first model step's actors decode in a second thread; steps: every step decodes for itself,
+the layout before issue 48), the arms alternating ``--repeats`` times over one set of raw
+shards: ``rows_per_s_decode_in`` {arm: {rows: [rows/s of each repeat]}}. ``--image-size 256``
 writes 256-px JPEGs instead of the 32-px PNG scenes (the VQ's square view then resizes
 them in the decoding task).
 
@@ -44,8 +46,6 @@ import yaml
 from common import SAMPLE, arg_parser, json_from_child
 from stage3_cache import measure as measure_cache
 
-from pairforge.pipeline.placement import DECODE_IN_STEPS
-
 _DRIVER = """
 import json, resource, sys, time
 from pairforge.config import load_config
@@ -61,7 +61,7 @@ print(json.dumps({"cpu_s": usage.ru_utime + usage.ru_stime,
 """
 
 
-def config(out: Path, image_size: int = 32) -> dict[str, Any]:
+def config(out: Path, image_size: int = 32, decode_in: str = "tasks") -> dict[str, Any]:
     encode = {"encode_format": "png"} if image_size == 32 else {"encode_format": "jpg",
                                                                   "resize_mode": "center_crop"}
     return {"input": {"path": "unused", "shard_size": 10_000},
@@ -74,7 +74,7 @@ def config(out: Path, image_size: int = 32) -> dict[str, Any]:
                                                "path_or_id": str(SAMPLE / "vq32")},
                                      "text": {"backend": "hf",
                                               "path_or_id": str(SAMPLE / "text")}},
-                        "tasks": {"p_drop": 0.3}}}
+                        "tasks": {"p_drop": 0.3}, "decode": {"where": decode_in}}}
 
 
 def _distinct_rows(cfg: Any, limit: int) -> list[tuple[dict[str, Any], Any]]:
@@ -129,8 +129,7 @@ def drive(cfg_path: Path) -> dict[str, Any]:
     return json_from_child(["-c", _DRIVER, str(cfg_path)], "pairforge process")
 
 
-def measure(rows: int, work: Path, shard_size: int, image_size: int = 32,
-            decode_in_steps: bool = False) -> dict[str, Any]:
+def measure(rows: int, work: Path, shard_size: int, image_size: int = 32) -> dict[str, Any]:
     out = work / f"rows{rows}"
     shutil.rmtree(out, ignore_errors=True)
     started = time.time()
@@ -138,12 +137,7 @@ def measure(rows: int, work: Path, shard_size: int, image_size: int = 32,
     print(f"{rows:,} rows: raw shards written in {time.time() - started:.0f} s", flush=True)
     cfg_path = work / f"rows{rows}.yaml"
     cfg_path.write_text(yaml.safe_dump(config(out, image_size)))
-    if decode_in_steps:  # the "before" arm: each model step decodes in its actor
-        os.environ[DECODE_IN_STEPS] = "1"
-    try:
-        run, rerun = drive(cfg_path), drive(cfg_path)
-    finally:
-        os.environ.pop(DECODE_IN_STEPS, None)
+    run, rerun = drive(cfg_path), drive(cfg_path)
     result = {"rows": rows, "run": run, "rerun": rerun,
               "driver_cpu_s_per_1e5_rows": round((run["cpu_s"] - rerun["cpu_s"]) / rows * 1e5, 3),
               "driver_peak_rss_mib": round(run["peak_rss_mib"], 1),
@@ -154,6 +148,34 @@ def measure(rows: int, work: Path, shard_size: int, image_size: int = 32,
     print(json.dumps(result), flush=True)
     shutil.rmtree(out, ignore_errors=True)
     return result
+
+
+DECODE_ARMS = ("tasks", "actor", "steps")
+
+
+def measure_decode_arms(rows: int, work: Path, shard_size: int, image_size: int,
+                        repeats: int) -> dict[str, list[float]]:
+    """rows/s of each ``process.decode.where`` arm, alternating, over one set of raw shards
+    (stage 3's outputs removed before each run)."""
+    from pairforge.shards.storage import RAW_FOLDER
+
+    out = work / f"arms{rows}"
+    shutil.rmtree(out, ignore_errors=True)
+    write_raw(out, rows, shard_size, image_size)
+    found: dict[str, list[float]] = {arm: [] for arm in DECODE_ARMS}
+    for _ in range(repeats):
+        for arm in DECODE_ARMS:
+            for made in out.iterdir():
+                if made.name != RAW_FOLDER:
+                    shutil.rmtree(made) if made.is_dir() else made.unlink()
+            cfg_path = work / f"arms{rows}-{arm}.yaml"
+            cfg_path.write_text(yaml.safe_dump(config(out, image_size, arm)))
+            run = drive(cfg_path)
+            found[arm].append(round(rows / run["seconds"], 1))
+            print(json.dumps({"rows": rows, "decode_in": arm, "rows_per_s": found[arm][-1],
+                              "load": os.getloadavg()[0]}), flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    return found
 
 
 def cache_report(args: Any, work: Path) -> dict[str, Any]:
@@ -211,7 +233,8 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=32,
                         help="raw images' side (32: PNG scenes; else JPEG q90 crops)")
     parser.add_argument("--decode-arms", action="store_true",
-                        help="also each size with every step decoding in its actor (before)")
+                        help="also each size under each process.decode.where, alternating")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the decode arms")
     args = parser.parse_args()
     sizes = [r for r in args.rows if not args.quick or r <= 1_000_000]
     work = args.work or Path(tempfile.mkdtemp(prefix="pf-stage3-"))
@@ -223,9 +246,11 @@ def main() -> None:
     if not args.only_cache:
         report["decodes_per_row"] = decodes_per_row(work)
     if args.decode_arms:
-        report["rows_per_s_decoding_in_steps"] = {
-            str(rows): measure(rows, work, args.shard_size, args.image_size,
-                               decode_in_steps=True)["rows_per_s"] for rows in sizes}
+        arms = {rows: measure_decode_arms(rows, work, args.shard_size, args.image_size,
+                                          args.repeats) for rows in sizes}
+        report["rows_per_s_decode_in"] = {arm: {str(rows): found[arm]
+                                                for rows, found in arms.items()}
+                                          for arm in DECODE_ARMS}
     report.update(cache_report(args, work))
     print(json.dumps(report, indent=1))
     if args.json:

@@ -662,6 +662,28 @@ class ClassifierConfig(ModelPoolConfig):
         return self
 
 
+class DecodeConfig(Strict):
+    """Where stage 3 decodes each row's image, once for every model step."""
+
+    where: Literal["tasks", "actor", "steps"] = Field(
+        "tasks", description="tasks: a CPU task per block ahead of the model pools; actor: "
+        "the first model step's actors, in a second thread beside their forward passes (no "
+        "decoded pixels cross the object store before it); steps: each model step decodes "
+        "for itself (the layout before, for comparison). Moves CPU work, never bytes")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="cuda: JPEGs are decoded and resized on the first model step's "
+        "GPU (torchvision's nvJPEG decoder; needs where: actor and that step's num_gpus); "
+        "other formats, and every image on cpu, with Pillow. The pixels differ from "
+        "Pillow's in their last bits, so this one is in the settings digest")
+
+    @model_validator(mode="after")
+    def _device_in_the_actor(self) -> DecodeConfig:
+        if self.device == "cuda" and self.where != "actor":
+            raise ValueError("decode.device cuda decodes on the first model step's GPU: set "
+                             f"decode.where: actor (it is {self.where})")
+        return self
+
+
 class ProcessConfig(Strict):
     basic: BasicFilterConfig = Field(default_factory=BasicFilterConfig)
     classifiers: list[ClassifierConfig] = Field(
@@ -671,6 +693,7 @@ class ProcessConfig(Strict):
     recaption: RecaptionConfig = Field(default_factory=RecaptionConfig)
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
+    decode: DecodeConfig = Field(default_factory=DecodeConfig)
 
     @model_validator(mode="after")
     def _caption_source_exists(self) -> ProcessConfig:

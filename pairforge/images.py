@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,12 +68,6 @@ class ImageView:
     def of(self, image: Image.Image) -> Image.Image:
         return image if self.prepare is None else self.prepare(image)
 
-    def bytes_per_row(self, side_if_unknown: int) -> int:
-        """What one row's array takes, for sizing blocks (an as-decoded picture's side is
-        not known before it is read)."""
-        side = getattr(self.prepare, "side", None) or side_if_unknown
-        return 3 * side * side
-
 
 RGB = ImageView("rgb")  # the decoded image as it is
 
@@ -99,6 +93,18 @@ class SquarePicture:
     def __call__(self, image: Image.Image) -> Image.Image:
         return resize_center_crop(image, self.side)
 
+    def on_tensor(self, image: torch.Tensor) -> torch.Tensor:
+        """The same on a CHW uint8 tensor on its device (torch's bicubic, antialiased)."""
+        from torchvision.transforms.v2 import InterpolationMode
+        from torchvision.transforms.v2 import functional as tf
+
+        height, width = image.shape[-2:]
+        scale = self.side / min(width, height)
+        size = [max(self.side, round(height * scale)), max(self.side, round(width * scale))]
+        image = tf.resize(image, size, InterpolationMode.BICUBIC, antialias=True)
+        top, left = (size[0] - self.side) // 2, (size[1] - self.side) // 2
+        return image[..., top:top + self.side, left:left + self.side]
+
 
 def square_view(side: int) -> ImageView:
     return ImageView(f"square-bicubic:{side}", SquarePicture(side))
@@ -109,26 +115,65 @@ def unique_views(views: Iterable[ImageView]) -> tuple[ImageView, ...]:
     return tuple(dict.fromkeys(views))
 
 
-def decode_views(batch: pa.Table, views: tuple[ImageView, ...]) -> pa.Table:
+# The most picture bytes one table of decoded views holds: the decoding task hands Ray a
+# table each time its rows' pictures pass this (Ray stores each as its own block), so
+# what a task holds is bounded by bytes actually decoded, whatever size stage 1 wrote.
+VIEW_BLOCK_BYTES = 64 * 1024**2
+
+
+# Pictures some rows of a batch get elsewhere than from Pillow: (the image column, the
+# ok rows, the views) -> {row: its pictures} (device_decode.py's, on a GPU)
+Pictures = Callable[[pa.ChunkedArray, np.ndarray, tuple[ImageView, ...]],
+                    dict[int, list[np.ndarray]]]
+
+
+def decode_views(batch: pa.Table, views: tuple[ImageView, ...],
+                 decoder: Pictures | None = None) -> pa.Table:
     """``batch`` with a ``pixels.*`` column per view: each ok row's image decoded once and
     prepared once per view; rows that left earlier get nulls. An image that no longer
-    decodes (a raw tar damaged since stage 1 read it) ends its row ``decode_error``."""
+    decodes (a raw tar damaged since stage 1 read it) ends its row ``decode_error``.
+    ``decoder``: the rows it takes get their pictures from it, the others from Pillow."""
+    return next(decode_view_blocks(batch, views, max_bytes=None, decoder=decoder))
+
+
+def decode_view_blocks(batch: pa.Table, views: tuple[ImageView, ...],
+                       max_bytes: int | None = VIEW_BLOCK_BYTES,
+                       decoder: Pictures | None = None) -> Iterator[pa.Table]:
+    """``decode_views`` of ``batch``, as consecutive tables of its rows, each ended as soon
+    as its pictures pass ``max_bytes`` (None: one table). Every row once, in order; a
+    batch of no rows gives one table of none."""
     ok = pc.equal(batch["status"], Status.OK.value).to_numpy(zero_copy_only=False)
-    columns: dict[str, list] = {v.column: [None] * batch.num_rows for v in views}
-    failed: dict[int, str] = {}
     data = batch["image"]
-    for i in np.flatnonzero(ok):
-        try:
-            image = decode_rgb(data[int(i)].as_py())
-            pictures = [np.asarray(view.of(image), dtype=np.uint8) for view in views]
-        except (OSError, ValueError, Image.DecompressionBombError) as err:
-            failed[int(i)] = f"stage 3 could not decode the image: {type(err).__name__}: {err}"
-            continue
-        for view, picture in zip(views, pictures, strict=True):
-            columns[view.column][i] = _pixels(picture)
-    for name, values in columns.items():
-        batch = batch.append_column(name, pa.array(values, PIXELS))
-    return _end_rows(batch, failed, Status.DECODE_ERROR) if failed else batch
+    on_device = decoder(data, np.flatnonzero(ok), views) if decoder else {}
+    start, size, pictures, failed = 0, 0, {}, {}
+    for i in range(batch.num_rows):
+        if ok[i]:
+            try:
+                pictures[i] = on_device.get(i) or pillow_pictures(data[i].as_py(), views)
+                size += sum(picture.nbytes for picture in pictures[i])
+            except (OSError, ValueError, Image.DecompressionBombError) as err:
+                failed[i] = f"stage 3 could not decode the image: {type(err).__name__}: {err}"
+        if max_bytes is not None and size >= max_bytes and i + 1 < batch.num_rows:
+            yield _with_views(batch, start, i + 1, views, pictures, failed)
+            start, size, pictures, failed = i + 1, 0, {}, {}
+    yield _with_views(batch, start, batch.num_rows, views, pictures, failed)
+
+
+def pillow_pictures(data: bytes, views: tuple[ImageView, ...]) -> list[np.ndarray]:
+    """One encoded image's pictures in ``views``, as HWC uint8 arrays, by Pillow."""
+    image = decode_rgb(data)
+    return [np.asarray(view.of(image), dtype=np.uint8) for view in views]
+
+
+def _with_views(batch: pa.Table, start: int, end: int, views: tuple[ImageView, ...],
+                pictures: dict[int, list[np.ndarray]], failed: dict[int, str]) -> pa.Table:
+    """Rows ``start:end`` of ``batch`` with their views' columns (keys: rows of ``batch``)."""
+    part = batch.slice(start, end - start)
+    for k, view in enumerate(views):
+        values = [_pixels(pictures[i][k]) if i in pictures else None for i in range(start, end)]
+        part = part.append_column(view.column, pa.array(values, PIXELS))
+    errors = {i - start: message for i, message in failed.items()}
+    return _end_rows(part, errors, Status.DECODE_ERROR) if errors else part
 
 
 def _end_rows(batch: pa.Table, errors: dict[int, str], status: Status) -> pa.Table:

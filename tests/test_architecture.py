@@ -18,8 +18,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pairforge"
-GROUND = {"config", "config_example", "records", "stage", "sources", "images", "batching",
-          "backoff", "tables", "machine", "__init__"}
+GROUND = {"config", "config_example", "records", "stage", "sources", "images", "device_decode",
+          "batching", "backoff", "tables", "machine", "__init__"}
 DOMAIN = {"download", "dedup", "filters", "tokenizers", "recaption", "shards", "inspection",
           "train", "sample", "scenes"}
 LAYERS = {"ground": 0, "domain": 1, "pipeline": 2, "cli": 3}

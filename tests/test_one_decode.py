@@ -20,7 +20,7 @@ from pairforge import images
 from pairforge.config import parse_config
 from pairforge.pipeline.chain import enabled_steps
 from pairforge.pipeline.contract import step_config
-from pairforge.pipeline.placement import chain_views, view_block_rows
+from pairforge.pipeline.placement import chain_views
 from pairforge.stage import ModelStep
 
 SAMPLE = Path(__file__).resolve().parents[1] / "pairforge" / "sample"
@@ -96,7 +96,22 @@ def test_the_chain_names_each_picture_once(cfg):
     # the decoded image (classifier, captioner), the VQ's 32-px square
     assert kinds == ["open_clip", "rgb", "square-bicubic"]
     assert len({v.column for v in views}) == 3
-    assert view_block_rows(views) == 64 * 1024**2 // (3 * (32 * 32 + 512 * 512 + 32 * 32))
+
+
+def test_the_decoding_task_hands_on_a_table_per_max_bytes_of_pictures(cfg):
+    """Ray stores each table the decoding task yields as a block: what the task holds is
+    bounded by the bytes it decoded (each ok row here: 48x40 + 32x32 + 32x32 px of RGB),
+    not by a guess at the raw images' size. Every row once, in order, as decode_views."""
+    rows = _rows(N_ROWS)
+    views = chain_views(enabled_steps(cfg), step_config(cfg))
+    per_row = 3 * (48 * 40 + 32 * 32 + 32 * 32)
+    images.DECODES["rows"] = 0
+    parts = list(images.decode_view_blocks(rows, views, max_bytes=2 * per_row))
+    assert images.DECODES["rows"] == N_ROWS - 1
+    # two ok rows a table; the ninth and the ended tenth (no pictures) end the batch
+    assert [p.num_rows for p in parts] == [2, 2, 2, 2, 2]
+    assert pa.concat_tables(parts).equals(images.decode_views(rows, views))
+    assert [p.num_rows for p in images.decode_view_blocks(rows.slice(0, 0), views)] == [0]
 
 
 def test_four_model_steps_decode_each_row_once_and_write_the_same_bytes(cfg):

@@ -62,13 +62,20 @@ class OpenClipPicture:
     def transform(self) -> Any:
         return pil_transform(*self.settings)
 
-    @property
-    def side(self) -> int | None:
-        sizes = [t.size for t in getattr(self.transform, "transforms", ()) if hasattr(t, "size")]
-        size = sizes[-1] if sizes else None  # the crop's, else the resize's
-        return max(size) if isinstance(size, tuple | list) else size
-
     def __call__(self, image: Image.Image) -> Image.Image:
+        return self.transform(image)
+
+    def on_tensor(self, image: Any) -> Any:
+        """The same on a CHW uint8 tensor on its device (``device_decode.py``), when every
+        transform is one torchvision runs on tensors (resize, crop; open_clip's mode
+        conversion passes tensors through); None otherwise."""
+        from open_clip.transform import MaybeConvertMode
+        from torchvision.transforms import CenterCrop, Resize
+
+        steps = getattr(self.transform, "transforms", None)
+        if not steps or not all(isinstance(t, Resize | CenterCrop | MaybeConvertMode)
+                                for t in steps):
+            return None
         return self.transform(image)
 
 

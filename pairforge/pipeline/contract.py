@@ -173,7 +173,9 @@ PROCESS = StageContract(
     outputs=(SHARDS_FOLDER, SCORES_FOLDER, EMBEDDINGS_FOLDER), output_files=(MANIFEST,),
     resources=Resources(task_cpus=TASK_CPUS, pools=True, cpu_reserve=TASK_CPU_RESERVE),
     # the dedup decisions; the writer's task labels
-    digest=Digest({"dedup": (), "process.tasks": ()}, steps=True))
+    # (process.decode.where moves work, never bytes; its device changes the pixels)
+    digest=Digest({"dedup": (), "process.tasks": (), "process.decode": ("where",)},
+                  steps=True))
 
 CONTRACTS = {c.name: c for c in (DOWNLOAD, DEDUP, SEMANTIC, PROCESS)}
 

@@ -7,14 +7,22 @@ plain Ray tasks. The frame knows nothing about which models run: a new step is a
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
+import threading
 from typing import Any
 
 import pyarrow as pa
 
 from pairforge.config import ConfigError, ModelPoolConfig, PairforgeConfig
-from pairforge.images import ImageView, decode_views, unique_views
+from pairforge.device_decode import on_device
+from pairforge.images import (
+    ImageView,
+    decode_view_blocks,
+    decode_views,
+    model_device,
+    unique_views,
+)
 from pairforge.pipeline.contract import TASK_CPU_RESERVE, TASK_CPUS, step_config
 from pairforge.pipeline.executors import data_pool, data_tasks
 from pairforge.pipeline.ray_private import cut_into_blocks
@@ -74,6 +82,21 @@ def check_gpu_demand(steps: list[type[Step]], cfg: PairforgeConfig,
                           + "\n  lower pool_size or num_gpus (fractions share a GPU)")
 
 
+def check_decode_device(steps: list[type[Step]], cfg: PairforgeConfig) -> None:
+    """Raise ``ConfigError`` (exit 2) when ``process.decode.device`` is cuda and the first
+    model step's actors hold no GPU to decode on."""
+    if cfg.process.decode.device != "cuda":
+        return
+    handed = step_config(cfg)
+    first = next((s for s in steps if issubclass(s, ModelStep)), None)
+    pool = first.pool_config(handed) if first else None
+    if pool is None or not pool.num_gpus:
+        where = (f"the first model step, {first.name}, asks {_section_key(cfg, pool)}.num_gpus "
+                 "0" if first and pool else "no model step runs")
+        raise ConfigError(f"process.decode.device cuda decodes on the first model step's GPU, "
+                          f"and {where}: give it num_gpus or set process.decode.device: cpu")
+
+
 def _section_key(cfg: PairforgeConfig, pool: ModelPoolConfig) -> str:
     """The dotted key of a pool's section in ``cfg.process`` (classifiers by index)."""
     for name in type(cfg.process).model_fields:
@@ -103,9 +126,9 @@ def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
     first model step, cut the blocks into blocks of ``block_rows`` rows (or the largest
     model ``batch_size``). A shard arrives as one block, and one block goes to one actor:
     cut, it spreads over every actor of a pool, several model calls per actor task. The
-    plain steps before it stay fused with the reading task, one task per shard. Right after
-    the cut a CPU task decodes each row's image once into every picture the steps read
-    (``chain_views``); the last step drops those columns."""
+    plain steps before it stay fused with the reading task, one task per shard. Each row's
+    image is decoded once into every picture the steps read (``chain_views``), where
+    ``process.decode.where`` says; the last step drops those columns."""
     if not steps:
         # Ray asks a whole CPU for this task by default (see _cut_into_blocks)
         return ds.drop_columns(list(drop_after), num_cpus=TASK_CPUS)
@@ -113,44 +136,58 @@ def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
     batch_sizes = [s.pool_config(handed).call_rows for s in steps if issubclass(s, ModelStep)]
     views = chain_views(steps, handed)
     drop_after = (*drop_after, *(v.column for v in views))
+    in_actor = handed.process.decode.where == "actor"
     cut = False
     for i, step in enumerate(steps):
+        decode: tuple[ImageView, ...] = ()
         if issubclass(step, ModelStep) and not cut:
-            rows = min(block_rows, view_block_rows(views))
-            ds = _decode_views(_cut_into_blocks(ds, max(*batch_sizes, rows)), views)
+            ds = _cut_into_blocks(ds, max(*batch_sizes, block_rows))
+            ds, decode = (ds, views) if in_actor else (_decode_views(ds, views), ())
             cut = True
-        ds = add_step(ds, step, handed, actor_cpus, drop_after if i == len(steps) - 1 else ())
+        ds = add_step(ds, step, handed, actor_cpus, drop_after if i == len(steps) - 1 else (),
+                      decode=decode)
     return ds
 
 
-# bench/stage3.py's "before" arm: no decoding task, each step decodes in its actor
-DECODE_IN_STEPS = "PAIRFORGE_DECODE_IN_STEPS"
-
-
 def chain_views(steps: list[type[Step]], cfg: StepConfig) -> tuple[ImageView, ...]:
-    """Every picture the chain's steps read, each once (``images.ImageView``)."""
-    if os.environ.get(DECODE_IN_STEPS):
+    """Every picture the chain's steps read, each once (``images.ImageView``); none when
+    each step decodes for itself (``process.decode.where: steps``)."""
+    if cfg.process.decode.where == "steps":
         return ()
     return unique_views(v for s in steps for v in s.image_views(cfg))
 
 
-# The pictures a block carries are arrays, not JPEGs: a 256-px row is ~200 KB per view,
-# so a 1,024-row block of three views would put ~600 MB in the object store at once.
-VIEW_BLOCK_BYTES = 64 * 1024**2
-VIEW_SIDE_IF_UNKNOWN = 512  # an as-decoded picture's side, for sizing only
-
-
-def view_block_rows(views: tuple[ImageView, ...]) -> int:
-    """Rows per block that keep a block's pictures near ``VIEW_BLOCK_BYTES``."""
-    per_row = sum(v.bytes_per_row(VIEW_SIDE_IF_UNKNOWN) for v in views)
-    return max(1, VIEW_BLOCK_BYTES // per_row) if per_row else BLOCK_ROWS
-
-
 def _decode_views(ds: Any, views: tuple[ImageView, ...]) -> Any:
-    # a CPU task per block ahead of the pools: decoding overlaps the models' work
+    # A CPU task per block ahead of the pools: decoding overlaps the models' work. The
+    # pictures are arrays, not JPEGs (a 256-px row is ~200 KB a view, ~600 MB for a
+    # 1,024-row block of three views), so the task hands on a block per ~64 MiB decoded.
     if not views:
         return ds
-    return data_tasks(ds, decode_views, TASK_CPUS, fn_kwargs={"views": views})
+    return data_tasks(ds, decode_view_blocks, TASK_CPUS, fn_kwargs={"views": views})
+
+
+class DecodingStep:
+    """The first model step's actor when ``process.decode.where`` is ``actor``: it runs two
+    calls at once, each decoding its batch's views in its own thread (Pillow lets go of
+    the GIL) while the other call's forward runs. Forwards take turns under a lock unless
+    the step is thread-safe itself (``concurrent_batches`` above 1)."""
+
+    def __init__(self, step_cls: type[ModelStep], cfg: StepConfig,
+                 views: tuple[ImageView, ...]) -> None:
+        self.step, self.views = step_cls(cfg), views
+        threaded = step_cls.concurrent_batches(cfg) > 1
+        self.turns = contextlib.nullcontext() if threaded else threading.Lock()
+        self.decoder = None  # Pillow
+        if cfg.process.decode.device == "cuda":
+            if model_device(step_cls.pool_config(cfg)) != "cuda":
+                raise RuntimeError(f"process.decode.device is cuda, and {step_cls.name}'s "
+                                   "actor sees no CUDA device")
+            self.decoder = on_device("cuda")
+
+    def __call__(self, batch: pa.Table, drop: tuple[str, ...] = ()) -> pa.Table:
+        batch = decode_views(batch, self.views, self.decoder)
+        with self.turns:
+            return self.step(batch, drop)
 
 
 def _cut_into_blocks(ds: Any, rows: int) -> Any:
@@ -160,10 +197,12 @@ def _cut_into_blocks(ds: Any, rows: int) -> Any:
 
 
 def add_step(ds: Any, step_cls: type[Step], cfg: StepConfig,
-             actor_cpus: dict[str, float] | None = None, drop: tuple[str, ...] = ()) -> Any:
+             actor_cpus: dict[str, float] | None = None, drop: tuple[str, ...] = (),
+             decode: tuple[ImageView, ...] = ()) -> Any:
     """Append one step to a Ray dataset: an actor pool for models, tasks otherwise. No
     other operator may follow an actor pool unless it asks for at most ``TASK_CPUS``:
-    Ray's default of one CPU would wait until the pools are gone, at the end of the run."""
+    Ray's default of one CPU would wait until the pools are gone, at the end of the run.
+    ``decode``: the views a model step's actors decode ahead of it (``DecodingStep``)."""
     if issubclass(step_cls, ModelStep):
         pool = step_cls.pool_config(cfg)
         num_cpus = (actor_cpus or {}).get(step_cls.name, pool.num_cpus)
@@ -177,8 +216,9 @@ def add_step(ds: Any, step_cls: type[Step], cfg: StepConfig,
             # one batch per block: an actor's concurrent calls are blocks, and blocks of
             # many batches would need that many blocks queued on each actor
             ds = _cut_into_blocks(ds, pool.call_rows)
-        return data_pool(ds, step_cls, size=pool.pool_size, batch_size=pool.call_rows,
-                         num_cpus=num_cpus, concurrent=concurrent, constructor_args=(cfg,),
-                         fn_kwargs={"drop": drop}, **extra)
+        actor, args = (DecodingStep, (step_cls, cfg, decode)) if decode else (step_cls, (cfg,))
+        return data_pool(ds, actor, size=pool.pool_size, batch_size=pool.call_rows,
+                         num_cpus=num_cpus, concurrent=max(concurrent, 2 if decode else 1),
+                         constructor_args=args, fn_kwargs={"drop": drop}, **extra)
     return data_tasks(ds, functools.partial(_run_plain_step, step_cls, cfg), TASK_CPUS,
                       fn_kwargs={"drop": drop})

@@ -23,7 +23,7 @@ from pairforge.pipeline.caption_index import compact_caption_caches
 from pairforge.pipeline.chain import enabled_steps, stage_steps
 from pairforge.pipeline.contract import PROCESS, step_config, with_step_config
 from pairforge.pipeline.entry import RunOptions, summarise
-from pairforge.pipeline.placement import check_gpu_demand
+from pairforge.pipeline.placement import check_decode_device, check_gpu_demand
 from pairforge.pipeline.plan import plan_shards
 from pairforge.pipeline.preflight import check_model_sources
 from pairforge.pipeline.progress import StageDisplay, say
@@ -96,6 +96,7 @@ def _cluster_gpus() -> float:
 def check_process_placement(cfg: PairforgeConfig) -> None:
     """Stage 3's pools against the cluster's GPUs, for ``build`` to ask before stage 1:
     an over-asking config stops before hours of downloading, not after them."""
+    check_decode_device(enabled_steps(cfg), cfg)
     init_ray(cfg.ray)
     check_gpu_demand(enabled_steps(cfg), cfg, _cluster_gpus())
 
@@ -114,9 +115,10 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
     out.makedirs(SHARDS_FOLDER)
     out.remove_temporaries(SHARDS_FOLDER)
     remove_fragment_folder(out)
+    steps = enabled_steps(cfg)
+    check_decode_device(steps, cfg)
     say("process: starting Ray…")
     init_ray(cfg.ray)
-    steps = enabled_steps(cfg)
     check_gpu_demand(steps, cfg, _cluster_gpus())
     say("process: steps " + ", ".join(_step_line(s, cfg) for s in steps)
         + "; each actor loads its model before the first batch…")

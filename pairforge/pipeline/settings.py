@@ -62,6 +62,8 @@ ADDED_SETTINGS: dict[str, Any] = {
     "process.clip.score": "training",
     "process.recaption.second_prompt": None,
     "process.recaption.input_resolution": None,
+    # issue 48: JPEGs decoded on the first model step's GPU
+    "process.decode.device": "cpu",
     # the product token of download.user_agent (the header itself, with its version and
     # contact URL, is not a setting): robots.txt groups and X-Robots-Tag match by it
     "download.agent_token": "pairforge",
