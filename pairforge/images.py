@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 from PIL import Image
 
 from pairforge.config import ModelPoolConfig
-from pairforge.records import Status
+from pairforge.records import Status, end_rows
 
 if TYPE_CHECKING:
     import torch
@@ -172,18 +172,8 @@ def _with_views(batch: pa.Table, start: int, end: int, views: tuple[ImageView, .
     for k, view in enumerate(views):
         values = [_pixels(pictures[i][k]) if i in pictures else None for i in range(start, end)]
         part = part.append_column(view.column, pa.array(values, PIXELS))
-    errors = {i - start: message for i, message in failed.items()}
-    return _end_rows(part, errors, Status.DECODE_ERROR) if errors else part
-
-
-def _end_rows(batch: pa.Table, errors: dict[int, str], status: Status) -> pa.Table:
-    statuses, messages = batch["status"].to_pylist(), batch["error"].to_pylist()
-    for i, message in errors.items():
-        statuses[i], messages[i] = status.value, message
-    batch = batch.set_column(batch.column_names.index("status"), "status",
-                             pa.array(statuses, pa.string()))
-    return batch.set_column(batch.column_names.index("error"), "error",
-                            pa.array(messages, pa.string()))
+    return end_rows(part, {i - start: (Status.DECODE_ERROR.value, message)
+                           for i, message in failed.items()})
 
 
 def _pixels(array: np.ndarray) -> dict:

@@ -197,6 +197,20 @@ CLASSIFIER_STATUSES = (Status.UNSAFE, Status.LOW_AESTHETIC, Status.WATERMARKED,
 CLASSIFIER_SCORE_TYPE = pa.float32()
 
 
+def end_rows(batch: pa.Table, ended: dict[int, tuple[str, str | None]]) -> pa.Table:
+    """``batch`` with the rows in ``ended`` ({row: (status, error)}) given that status and
+    error message; every other row as it was."""
+    if not ended:
+        return batch
+    statuses, errors = batch["status"].to_pylist(), batch["error"].to_pylist()
+    for i, (status, error) in ended.items():
+        statuses[i], errors[i] = status, error
+    batch = batch.set_column(batch.column_names.index("status"), "status",
+                             pa.array(statuses, pa.string()))
+    return batch.set_column(batch.column_names.index("error"), "error",
+                            pa.array(errors, pa.string()))
+
+
 def classifier_columns(*names: str) -> dict[str, pa.DataType]:
     """The score columns of the named classifiers, for a step's ``provides``."""
     return {f"{name}_score": CLASSIFIER_SCORE_TYPE for name in names}

@@ -49,7 +49,7 @@ from pydantic import BaseModel
 
 from pairforge.config import ModelPoolConfig, OutputConfig, ProcessConfig
 from pairforge.images import ImageView
-from pairforge.records import Status
+from pairforge.records import Status, end_rows
 from pairforge.sources import ModelSource
 
 
@@ -329,14 +329,8 @@ def merge_result(batch: pa.Table, index: np.ndarray, result: StepResult,
         else:
             batch = batch.append_column(name, column)
     if result.status is not None:
-        status = batch["status"].to_pylist()
-        error = batch["error"].to_pylist()
-        for i, new_status, new_error in zip(index, result.status, result.error or [],
-                                            strict=False):
-            if new_status is not None:
-                status[i], error[i] = new_status, new_error
-        batch = batch.set_column(batch.column_names.index("status"), "status",
-                                 pa.array(status, pa.string()))
-        batch = batch.set_column(batch.column_names.index("error"), "error",
-                                 pa.array(error, pa.string()))
+        errors = result.error or [None] * len(result.status)
+        batch = end_rows(batch, {int(i): (status, error) for i, status, error
+                                 in zip(index, result.status, errors, strict=True)
+                                 if status is not None})
     return batch

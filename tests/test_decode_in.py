@@ -1,8 +1,8 @@
 """``process.decode.where`` (issue 48, item 2): where stage 3 decodes a row's image once for
 every model step. The decoding task and the first actor's decoding thread run on real Ray
-Data actor pools (the in-process ``ray_local``) over the same rows, through CLIP and our VQ (two views: open_clip's resize
-+ crop and the VQ's square), and every output column is the same to the bit: the layout
-changes where the CPU work runs, never the bytes."""
+Data actor pools (the in-process ``ray_local``) over the same rows, through CLIP and our
+VQ (two views: open_clip's resize + crop and the VQ's square), and every output column is
+the same to the bit: the layout changes where the CPU work runs, never the bytes."""
 
 from __future__ import annotations
 

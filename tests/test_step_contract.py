@@ -146,7 +146,9 @@ def test_every_process_section_is_recorded_by_the_stage_or_a_step():
     cfg = parse_config({"input": {"path": "unused"}, "process": {
         "tokenize": {"image": {"path_or_id": "vq"}},
         "classifiers": [{"name": "a", "backend": "clip-head", "path": "h.pth"}],
-        "clip": {"enabled": True}}})
+        "clip": {"enabled": True},
+        # decode.device's default is left out of the digest (ADDED_SETTINGS): not it
+        "decode": {"where": "actor", "device": "cuda"}}})
     recorded = {k.split(".")[1] for k in stage_settings(cfg, "process") if "." in k
                 and k.startswith("process.")}
     assert recorded == set(ProcessConfig.model_fields)
