@@ -22,9 +22,10 @@ through CLIP, a classifier, the captioner with CLIP grounding and the VQ
 again under each ``process.decode.where`` (tasks: the decoding task, the default; actor: the
 first model step's actors decode in a second thread; steps: every step decodes for itself,
 the layout before issue 48), the arms alternating ``--repeats`` times over one set of raw
-shards: ``rows_per_s_decode_in`` {arm: {rows: [rows/s of each repeat]}}. ``--image-size 256``
-writes 256-px JPEGs instead of the 32-px PNG scenes (the VQ's square view then resizes
-them in the decoding task).
+shards: ``decode_in`` {arm: {rows: [{rows_per_s, tree_cpu_ms_per_row, load} of each
+repeat]}}, the CPU of the driver's whole process tree (Ray's processes, tasks, actors).
+``--image-size 256`` writes 256-px JPEGs instead of the 32-px PNG scenes (the VQ's square
+view then resizes them where the row is decoded).
 
 The recaption actor's peak RSS with a caption cache of ``--cache-entries`` entries, and
 the cache compaction's wall time, are bench/stage3_cache.py's (``--quick``: at most 10^6
@@ -37,13 +38,15 @@ import csv
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
-from common import SAMPLE, arg_parser, json_from_child
+from common import SAMPLE, arg_parser, child_env, json_from_child, run_sampled
 from stage3_cache import measure as measure_cache
 
 _DRIVER = """
@@ -129,6 +132,17 @@ def drive(cfg_path: Path) -> dict[str, Any]:
     return json_from_child(["-c", _DRIVER, str(cfg_path)], "pairforge process")
 
 
+def drive_sampled(cfg_path: Path) -> dict[str, Any]:
+    """``drive``, with the CPU seconds of the driver's whole process tree (Ray's processes,
+    the tasks and the actors: common.TreeSampler) as ``tree_cpu_s``."""
+    with tempfile.TemporaryFile("w+") as output:
+        _, sampler = run_sampled([sys.executable, "-c", _DRIVER, str(cfg_path)],
+                                 env=child_env(), stdout=output, stderr=subprocess.DEVNULL)
+        output.seek(0)
+        run = json.loads(output.read().strip().splitlines()[-1])
+    return {**run, "tree_cpu_s": round(sampler.cpu_s, 1)}
+
+
 def measure(rows: int, work: Path, shard_size: int, image_size: int = 32) -> dict[str, Any]:
     out = work / f"rows{rows}"
     shutil.rmtree(out, ignore_errors=True)
@@ -154,15 +168,15 @@ DECODE_ARMS = ("tasks", "actor", "steps")
 
 
 def measure_decode_arms(rows: int, work: Path, shard_size: int, image_size: int,
-                        repeats: int) -> dict[str, list[float]]:
-    """rows/s of each ``process.decode.where`` arm, alternating, over one set of raw shards
-    (stage 3's outputs removed before each run)."""
+                        repeats: int) -> dict[str, list[dict[str, float]]]:
+    """rows/s and the process tree's CPU per row of each ``process.decode.where`` arm,
+    alternating, over one set of raw shards (stage 3's outputs removed before each run)."""
     from pairforge.shards.storage import RAW_FOLDER
 
     out = work / f"arms{rows}"
     shutil.rmtree(out, ignore_errors=True)
     write_raw(out, rows, shard_size, image_size)
-    found: dict[str, list[float]] = {arm: [] for arm in DECODE_ARMS}
+    found: dict[str, list[dict[str, float]]] = {arm: [] for arm in DECODE_ARMS}
     for _ in range(repeats):
         for arm in DECODE_ARMS:
             for made in out.iterdir():
@@ -170,10 +184,11 @@ def measure_decode_arms(rows: int, work: Path, shard_size: int, image_size: int,
                     shutil.rmtree(made) if made.is_dir() else made.unlink()
             cfg_path = work / f"arms{rows}-{arm}.yaml"
             cfg_path.write_text(yaml.safe_dump(config(out, image_size, arm)))
-            run = drive(cfg_path)
-            found[arm].append(round(rows / run["seconds"], 1))
-            print(json.dumps({"rows": rows, "decode_in": arm, "rows_per_s": found[arm][-1],
-                              "load": os.getloadavg()[0]}), flush=True)
+            run = drive_sampled(cfg_path)
+            found[arm].append({"rows_per_s": round(rows / run["seconds"], 1),
+                               "tree_cpu_ms_per_row": round(run["tree_cpu_s"] / rows * 1e3, 3),
+                               "load": os.getloadavg()[0]})
+            print(json.dumps({"rows": rows, "decode_in": arm, **found[arm][-1]}), flush=True)
     shutil.rmtree(out, ignore_errors=True)
     return found
 
@@ -248,7 +263,7 @@ def main() -> None:
     if args.decode_arms:
         arms = {rows: measure_decode_arms(rows, work, args.shard_size, args.image_size,
                                           args.repeats) for rows in sizes}
-        report["rows_per_s_decode_in"] = {arm: {str(rows): found[arm]
+        report["decode_in"] = {arm: {str(rows): found[arm]
                                                 for rows, found in arms.items()}
                                           for arm in DECODE_ARMS}
     report.update(cache_report(args, work))
