@@ -3,7 +3,7 @@ loop, and what a clip-head classifier adds to the CLIP step.
 
     python bench/classifiers.py [--images 48] [--batch-size 16] [--vit base] \
         [--threads 2] [--pool-size 2 --stage-threads 1] [--heads-only | --step-only] \
-        [--interleave] [--repeats 2]
+        [--repeats 2]
 
 - step: a ViT image classifier (``--vit base``: the architecture of
   Falconsai/nsfw_image_detection, ViT-B/16 at 224 px; ``small``: ViT-S/16) with random
@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
-from common import TreeSampler, arg_parser
+from common import arg_parser
 from stage_step import (
     add_stage_args,
     cleared,
@@ -81,83 +80,8 @@ def step_vs_bare(args: argparse.Namespace, model: str) -> None:
     label = (f"classifier step, ViT-{args.vit}/16 224 px (random weights, fp32), batch "
              f"{args.batch_size}; {pool_label(args)}")
     bare = lambda raw: bare_loop(raw, model, args.batch_size, args.threads)  # noqa: E731
-    if args.interleave:
-        interleaved(args.images, bare, {"classifiers": [entry]}, label, args.multiples,
-                    args.repeats)
-    else:
-        compare(args.images, bare, {"classifiers": [entry]}, label,
-                multiples=args.multiples, repeats=args.repeats)
-
-
-def interleaved(n: int, bare, process: dict, label: str, multiples: int,  # noqa: ANN001
-                repeats: int) -> None:
-    """compare()'s measurement with the bare and stage runs alternating (bare, stage, bare,
-    stage ...) instead of all bare runs first: on a machine whose load from other users
-    drifts over minutes, both sides then see the same load. Also prints the seconds per
-    image inside the step's process() (the manifest's step stats) of the largest run."""
-    from stage_step import _fit
-
-    from pairforge.config import RayConfig
-    from pairforge.pipeline.ray_runtime import init_ray
-
-    sizes = [n * k for k in range(1, multiples + 1)]
-    with tempfile.TemporaryDirectory() as tmp:
-        outs = {size: Path(tmp) / f"out{size}" for size in (n // 2, *sizes)}
-        for size, out in outs.items():
-            make_raw(out, size)
-        init_ray(RayConfig())
-        warm = outs.pop(n // 2)
-        bare(warm / "raw")
-        stage_seconds(warm, process)
-        bares: dict[int, list] = {size: [] for size in sizes}
-        stages: dict[int, list] = {size: [] for size in sizes}
-        cpu: dict[str, dict[int, list]] = {"bare": {s: [] for s in sizes},
-                                           "stage": {s: [] for s in sizes}}
-        for _ in range(repeats):
-            for size, out in outs.items():
-                started = time.process_time()  # this process and its torch threads
-                bares[size].append(bare(out / "raw"))
-                cpu["bare"][size].append(time.process_time() - started)
-                run, stage_cpu = tree_cpu(lambda o=out: stage_seconds(cleared(o), process))
-                stages[size].append(run)
-                cpu["stage"][size].append(stage_cpu)
-        steps = json.loads((outs[sizes[-1]] / "manifest.json").read_text())["steps"]
-    print(label + " (bare and stage runs interleaved)")
-    # (seconds, images): the fastest run of each; other work only ever slows one
-    best = {size: (min(bares[size]), min(stages[size])) for size in sizes}
-    for size, ((bare_s, bare_n), (stage_s, stage_n)) in best.items():
-        print(f"  {size:5d} images: bare {bare_s:6.1f} s = {bare_n / bare_s:7.2f} images/s, "
-              f"stage {stage_s:6.1f} s = {stage_n / stage_s:7.2f} images/s, "
-              f"ratio {(stage_n / stage_s) / (bare_n / bare_s):.2f}x")
-    bare_rate, bare_fixed = _fit([best[s][0] for s in sizes])
-    stage_rate, stage_fixed = _fit([best[s][1] for s in sizes])
-    print(f"  steady state (fit over {len(sizes)} sizes, best of {repeats}): bare "
-          f"{bare_rate:.2f} images/s + {bare_fixed:.1f} s fixed, stage {stage_rate:.2f} "
-          f"images/s + {stage_fixed:.1f} s fixed; ratio stage/bare = "
-          f"{stage_rate / bare_rate:.2f}x")
-    # CPU seconds per image: the slope of CPU seconds against images, each side's least
-    # CPU per size. A loaded machine stretches wall time; CPU time much less.
-    rates = {side: _fit([(min(runs[s]), s) for s in sizes])[0] for side, runs in cpu.items()}
-    print(f"  CPU per image (fit, least of {repeats}): bare {1e3 / rates['bare']:.0f} ms "
-          f"(this process), stage {1e3 / rates['stage']:.0f} ms (driver, Ray and every "
-          f"worker and actor); ratio bare/stage = {rates['stage'] / rates['bare']:.2f}x")
-    for size in sizes:
-        print(f"    {size:5d} images: CPU bare {min(cpu['bare'][size]):6.1f} s, stage "
-              f"{min(cpu['stage'][size]):6.1f} s")
-    step = steps["classifier.nsfw"]
-    print(f"  inside the step's process() at {sizes[-1]} images (last run): "
-          f"{step['seconds'] / step['rows_in'] * 1e3:.1f} ms per image per actor", flush=True)
-
-
-def tree_cpu(run) -> tuple[float, float]:  # noqa: ANN001
-    """(result of ``run``, CPU seconds this process and all its descendants (Ray's daemons,
-    workers and actors) spent while it ran)."""
-    with TreeSampler(os.getpid(), 0.25) as sampler:  # reading /proc costs CPU too
-        before = {pid: proc.cpu_s for pid, proc in sampler.procs.items()}
-        result = run()
-        sampler.sample()
-    spent = sum(p.cpu_s - before.get(pid, 0.0) for pid, p in sampler.procs.items())
-    return result, spent
+    compare(args.images, bare, {"classifiers": [entry]}, label,
+            multiples=args.multiples, repeats=args.repeats)
 
 
 def save_aesthetic_head(path: Path, dim: int) -> None:
@@ -216,7 +140,8 @@ def main() -> None:
     parser.add_argument("--heads-only", action="store_true")
     parser.add_argument("--step-only", action="store_true")
     parser.add_argument("--interleave", action="store_true",
-                        help="alternate bare and stage runs (a machine with drifting load)")
+                        help="(always so now: bench/stage_step.compare alternates the runs; "
+                        "kept so the commands recorded in RESULTS.md run)")
     add_stage_args(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

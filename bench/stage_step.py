@@ -5,13 +5,17 @@ Raw shards of COCO sample photos are made with stage 1 (loopback HTTP). Each sid
 N and on 2N images. The whole-run rate includes fixed costs (the stage starts a Ray worker
 that imports torch and loads the model, Ray Data's executor, the writers); the marginal
 rate N / (t(2N) - t(N)) is the per-image throughput once running, which is what a build of
-millions of images sees. Both sides make one unmeasured warm-up run first.
+millions of images sees. Both sides make one unmeasured warm-up run first; then the bare
+and stage runs alternate, and each run's CPU seconds are measured beside its wall time
+(the stage's over its whole process tree), the figure a loaded host moves least.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import json
+import os
 import sys
 import tempfile
 import time
@@ -19,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import COCO, TESTS
+from common import COCO, TESTS, TreeSampler
 
 sys.path.insert(0, str(TESTS))  # loopback_server: the tests' image host
 
@@ -110,42 +114,76 @@ def pool_label(args: Any) -> str:
 def compare(n: int, bare: Callable[[Path], tuple[float, int]], process: dict[str, Any],
             label: str, multiples: int = 3, repeats: int = 1) -> None:
     """Print whole-run images/s of the bare loop and the stage on n, 2n, .. multiples*n
-    images (best of ``repeats``), and the steady-state rate of each: the inverse slope of
-    a least-squares line through seconds against images, whose intercept is the fixed cost."""
+    images (best of ``repeats``), the steady-state rate of each (the inverse slope of a
+    least-squares line through seconds against images, whose intercept is the fixed
+    cost), the same for CPU seconds, and the seconds per image inside each step's
+    ``process()``. The bare and stage runs alternate (bare, stage, bare, stage ...): on a
+    machine whose load from other users drifts over minutes, both sides see the same load.
+    CPU seconds: the bare loop's process, and for the stage this process and every one
+    under it (Ray's daemons, workers and actors): a loaded host stretches wall time, CPU
+    time much less."""
     from pairforge.config import RayConfig
     from pairforge.pipeline.ray_runtime import init_ray
 
     sizes = [n * k for k in range(1, multiples + 1)]
+    runs: dict[str, dict[int, list[tuple[float, int, float]]]] = {
+        "bare": {s: [] for s in sizes}, "stage": {s: [] for s in sizes}}
     with tempfile.TemporaryDirectory() as tmp:
         warmup = min(WARMUP, n // 2)  # a few images warm up; slow models take fewer
         outs = {size: Path(tmp) / f"out{size}" for size in (warmup, *sizes)}
         for size, out in outs.items():
             make_raw(out, size)
-        # All bare runs first, then the stage runs: Ray's idle workers stay out of the way.
-        bares = {size: _best(repeats, lambda o=out: bare(o / "raw"))
-                 for size, out in outs.items()}
-        init_ray(RayConfig())  # started before the stage clock runs
+        init_ray(RayConfig())  # started before any clock runs
         # A first, unmeasured run on a few images, on both sides, so that both measured
         # runs start alike (Ray's worker processes have imported torch; caches are warm).
-        stage_seconds(outs.pop(warmup), process)
-        stages = {size: _best(repeats, lambda o=out: stage_seconds(cleared(o), process))
-                  for size, out in outs.items()}
-    print(label)
+        warm = outs.pop(warmup)
+        bare(warm / "raw")
+        stage_seconds(warm, process)
+        for _ in range(repeats):
+            for size, out in outs.items():
+                runs["bare"][size].append(_with_cpu(lambda o=out: bare(o / "raw")))
+                runs["stage"][size].append(
+                    _with_cpu(lambda o=out: stage_seconds(cleared(o), process)))
+        steps = json.loads((outs[sizes[-1]] / "manifest.json").read_text())["steps"]
+    _report(label, sizes, runs, repeats, steps)
+
+
+def _with_cpu(run: Callable[[], tuple[float, int]]) -> tuple[float, int, float]:
+    """(seconds, images, CPU seconds this process and all its descendants spent)."""
+    with TreeSampler(os.getpid(), 0.25) as sampler:  # reading /proc costs CPU too
+        before = {pid: proc.cpu_s for pid, proc in sampler.procs.items()}
+        seconds, images = run()
+        sampler.sample()
+    return seconds, images, sum(p.cpu_s - before.get(pid, 0.0)
+                                for pid, p in sampler.procs.items())
+
+
+def _report(label: str, sizes: list[int], runs: dict, repeats: int, steps: dict) -> None:
+    print(f"{label} (bare and stage runs interleaved; load {os.getloadavg()[0]:.1f})")
+    # the fastest run of each (other work only ever slows one), and the least CPU
+    best = {side: {s: min(r[s]) for s in sizes} for side, r in runs.items()}
+    cpu = {side: {s: min(run[2] for run in r[s]) for s in sizes} for side, r in runs.items()}
     for size in sizes:
-        (bare_s, bare_n), (stage_s, stage_n) = bares[size], stages[size]
+        (bare_s, bare_n, _), (stage_s, stage_n, _) = best["bare"][size], best["stage"][size]
         print(f"  {size:5d} images: bare {bare_s:6.1f} s = {bare_n / bare_s:7.2f} images/s, "
               f"stage {stage_s:6.1f} s = {stage_n / stage_s:7.2f} images/s, "
-              f"ratio {(stage_n / stage_s) / (bare_n / bare_s):.2f}x")
-    bare_rate, bare_fixed = _fit([bares[s] for s in sizes])
-    stage_rate, stage_fixed = _fit([stages[s] for s in sizes])
-    print(f"  steady state (fit over {len(sizes)} sizes): bare {bare_rate:.2f} images/s + "
-          f"{bare_fixed:.1f} s fixed, stage {stage_rate:.2f} images/s + {stage_fixed:.1f} s "
-          f"fixed; ratio stage/bare = {stage_rate / bare_rate:.2f}x", flush=True)
-
-
-def _best(repeats: int, run: Callable[[], tuple[float, int]]) -> tuple[float, int]:
-    """The fastest of ``repeats`` runs: other work on the machine only ever slows one."""
-    return min((run() for _ in range(repeats)), key=lambda r: r[0])
+              f"ratio {(stage_n / stage_s) / (bare_n / bare_s):.2f}x; CPU bare "
+              f"{cpu['bare'][size]:6.1f} s, stage {cpu['stage'][size]:6.1f} s")
+    (bare_rate, bare_fixed), (stage_rate, stage_fixed) = (
+        _fit([best[side][s][:2] for s in sizes]) for side in ("bare", "stage"))
+    print(f"  steady state (fit over {len(sizes)} sizes, best of {repeats}): bare "
+          f"{bare_rate:.2f} images/s + {bare_fixed:.1f} s fixed, stage {stage_rate:.2f} "
+          f"images/s + {stage_fixed:.1f} s fixed; ratio stage/bare = "
+          f"{stage_rate / bare_rate:.2f}x")
+    rates = {side: _fit([(cpu[side][s], s) for s in sizes])[0] for side in cpu}
+    print(f"  CPU per image (fit, least of {repeats}): bare {1e3 / rates['bare']:.0f} ms "
+          f"(this process), stage {1e3 / rates['stage']:.0f} ms (driver, Ray and every "
+          f"worker and actor); ratio bare/stage = {rates['stage'] / rates['bare']:.2f}x")
+    for name, step in steps.items():
+        if step.get("rows_in"):
+            print(f"  inside {name}'s process() at {sizes[-1]} images (last run): "
+                  f"{step['seconds'] / step['rows_in'] * 1e3:.1f} ms per image per actor",
+                  flush=True)
 
 
 def cleared(out: Path) -> Path:
