@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 
 def fixed_chunks(batch: torch.Tensor, rows: int) -> list[tuple[torch.Tensor, int]]:
@@ -58,20 +60,22 @@ def run_fixed(fn: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor,
     return torch.cat([fn(chunk)[:real] for chunk, real in fixed_chunks(batch, rows)])
 
 
-class FixedForward:
-    """``run_fixed`` at an actor's forward size, halved on out-of-memory (see above)."""
+class Halving:
+    """An actor's rows per model call, halved on out-of-memory (see above): ``run(fn)``
+    calls ``fn(rows)`` and, when it runs out of device memory, calls it again at half the
+    rows, the actor keeping the smaller size from then on; at one row the error is raised.
+    ``fn`` must redo the whole call (every row of it), so no row is lost."""
 
     def __init__(self, rows: int, what: str) -> None:
         self.rows = rows
         self.what = what  # the step, for the warning
 
-    def __call__(self, fn: Callable[[torch.Tensor], torch.Tensor],
-                 batch: torch.Tensor) -> torch.Tensor:
+    def run(self, fn: Callable[[int], T]) -> T:
         import torch
 
         while True:
             try:
-                return run_fixed(fn, batch, self.rows)
+                return fn(self.rows)
             except torch.OutOfMemoryError:
                 if self.rows == 1:
                     raise
@@ -79,4 +83,12 @@ class FixedForward:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 logging.getLogger(__name__).warning(
-                    "%s: out of memory; forwards of %d rows from now on", self.what, self.rows)
+                    "%s: out of memory; calls of %d rows from now on", self.what, self.rows)
+
+
+class FixedForward(Halving):
+    """``run_fixed`` at an actor's forward size, halved on out-of-memory (see above)."""
+
+    def __call__(self, fn: Callable[[torch.Tensor], torch.Tensor],
+                 batch: torch.Tensor) -> torch.Tensor:
+        return self.run(lambda rows: run_fixed(fn, batch, rows))

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pairforge.batching import fixed_chunks
+from pairforge.batching import FixedForward
 from pairforge.tokenizers.base import (
     ImageTokenizer,
     fingerprint_digest,
@@ -190,7 +190,8 @@ class HFVQTokenizer(ImageTokenizer):
         if backend not in BACKENDS:
             raise ValueError(f"unknown transformers VQ backend {backend!r}; "
                              f"one of {list(BACKENDS)}")
-        self.backend, self.model_name, self.batch_size = backend, model, batch_size
+        self.backend, self.model_name = backend, model
+        self.forward = FixedForward(batch_size, f"tokenize ({backend})")  # halves on OOM
         self.info = BACKENDS[backend]
         self.device, self.dtype = torch.device(device), dtype
         self.vq = load_vq_model(backend, model, revision).to(self.device, dtype)
@@ -241,6 +242,15 @@ class HFVQTokenizer(ImageTokenizer):
         h, w = smart_resize(height, width, p.spatial_factor, p.min_pixels, p.max_pixels)
         return h // self.downsample, w // self.downsample
 
+    @property
+    def batch_size(self) -> int:
+        """Rows per forward: the configured size, halved by each out-of-memory."""
+        return self.forward.rows
+
+    @batch_size.setter
+    def batch_size(self, rows: int) -> None:
+        self.forward.rows = rows
+
     # ------------------------------------------------------------------ encode / decode
     def preprocess(self, images: list[Image.Image]) -> list[torch.Tensor]:
         """One (3, H, W) tensor per image, unpadded (Emu3 sizes differ per image)."""
@@ -257,15 +267,15 @@ class HFVQTokenizer(ImageTokenizer):
         grids: list[np.ndarray | None] = [None] * len(images)
         for indices in self._chunks([tuple(p.shape) for p in pixels]):
             batch = torch.stack([pixels[i] for i in indices]).to(self.device, self.dtype)
-            # one shape for every forward, so a code never depends on the batch's cut
-            for (chunk, real) in fixed_chunks(batch, self.batch_size):
-                for i, grid in zip(indices[:real], self._encode_batch(chunk)[:real],
-                                   strict=True):
-                    grids[i] = grid
-                indices = indices[real:]
+            # one shape for every forward, so a code never depends on the batch's cut; an
+            # out-of-memory forward runs again at half the rows (batching.FixedForward)
+            codes = self.forward(self._encode_batch, batch).cpu().numpy()
+            for i, grid in zip(indices, codes, strict=True):
+                grids[i] = grid
         return grids  # type: ignore[return-value]
 
-    def _encode_batch(self, batch: torch.Tensor) -> list[np.ndarray]:
+    def _encode_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        """(rows, grid height, grid width) int32 codes."""
         b, _, height, width = batch.shape
         if self.backend == "emu3":
             sizes = torch.tensor([[height, width]] * b)
@@ -274,7 +284,7 @@ class HFVQTokenizer(ImageTokenizer):
             f = self.downsample
             tokens = self.vq.encode(batch, return_dict=True).image_tokens
             tokens = tokens.view(b, height // f, width // f)
-        return list(tokens.to(torch.int32).cpu().numpy())
+        return tokens.to(torch.int32)
 
     @torch.inference_mode()
     def decode(self, grids: list[np.ndarray]) -> list[Image.Image]:
