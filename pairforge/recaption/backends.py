@@ -1,8 +1,10 @@
 """Captioning backends: a transformers image-to-text model, or an OpenAI-compatible server.
 
-Both turn a batch of images and one prompt into raw model text; cleaning and the safety
-checks happen in the recaption step, the same for every backend. Decoding is greedy by
-default (a caption has a right answer); ``temperature > 0`` samples.
+Both turn a batch of images and a prompt (one for all, or one per image: a caption the
+checks sent back rides with other rows under its stricter prompt, recaption/rounds.py) into
+raw model text; cleaning and the safety checks happen in the recaption step, the same for
+every backend. Decoding is greedy by default (a caption has a right answer);
+``temperature > 0`` samples.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ from pairforge.recaption.constrain import WordBlocker
 from pairforge.recaption.openai_client import Answer, ChatClient, Failure
 from pairforge.recaption.vision import VisionEmbedder
 
+Prompts = str | list[str]  # one prompt for every image, or one per image
+
+
+def per_image(prompt: Prompts, n: int) -> list[str]:
+    """One prompt per image."""
+    if isinstance(prompt, str):
+        return [prompt] * n
+    if len(prompt) != n:
+        raise ValueError(f"{len(prompt)} prompts for {n} images")
+    return list(prompt)
+
 
 class Captioner(ABC):
     """Images + prompt -> raw caption text, one per image, in order."""
@@ -31,10 +44,10 @@ class Captioner(ABC):
     concurrent = False
 
     @abstractmethod
-    def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
+    def generate(self, images: list[Image.Image], prompt: Prompts) -> list[str]:
         """The model's answer for each image."""
 
-    def answers(self, images: list[Image.Image], prompt: str) -> list[Answer]:
+    def answers(self, images: list[Image.Image], prompt: Prompts) -> list[Answer]:
         """Like ``generate``, but a backend whose requests can fail one by one (a server)
         answers a row it could not caption with a :class:`Failure` instead of raising."""
         return list(self.generate(images, prompt))
@@ -83,24 +96,29 @@ class TransformersCaptioner(Captioner):
             return self.cfg.prompt_mode
         return "chat" if getattr(self.processor, "chat_template", None) else "none"
 
-    def _inputs(self, images: list[Image.Image], prompt: str) -> dict[str, Any]:
+    def _chat_text(self, prompt: str) -> str:
+        messages = [{"role": "user", "content": [{"type": "image"},
+                                                 {"type": "text", "text": prompt}]}]
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True)
+
+    def _inputs(self, images: list[Image.Image], prompt: Prompts) -> dict[str, Any]:
+        prompts = per_image(prompt, len(images))
         if self.mode == "chat":
-            messages = [{"role": "user", "content": [{"type": "image"},
-                                                     {"type": "text", "text": prompt}]}]
-            text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+            texts = {p: self._chat_text(p) for p in dict.fromkeys(prompts)}
             # one image per conversation: nested lists are what multi-image processors want
-            return self.processor(text=[text] * len(images), images=[[im] for im in images],
+            return self.processor(text=[texts[p] for p in prompts],
+                                  images=[[im] for im in images],
                                   return_tensors="pt", padding=True, **self.image_kwargs)
         if self.mode == "prefix":
-            return self.processor(images=images, text=[prompt] * len(images),
+            return self.processor(images=images, text=prompts,
                                   return_tensors="pt", padding=True, **self.image_kwargs)
         return self.processor(images=images, return_tensors="pt", **self.image_kwargs)
 
-    def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
+    def generate(self, images: list[Image.Image], prompt: Prompts) -> list[str]:
         return self.processor.batch_decode(self.generate_ids(images, prompt),
                                            skip_special_tokens=True)
 
-    def generate_ids(self, images: list[Image.Image], prompt: str) -> Any:
+    def generate_ids(self, images: list[Image.Image], prompt: Prompts) -> Any:
         """The generated token ids (a tensor, one row per image), prompt removed."""
         import torch
 
@@ -186,13 +204,14 @@ class OpenAICaptioner(Captioner):
             body["logit_bias"] = self.logit_bias
         return body
 
-    def answers(self, images: list[Image.Image], prompt: str) -> list[Answer]:
+    def answers(self, images: list[Image.Image], prompt: Prompts) -> list[Answer]:
         # submitted one by one as encoded: the first requests are in flight while the
         # batch's later images are still being turned into JPEG
-        futures = [self.client.submit(self._body(im, prompt)) for im in images]
+        futures = [self.client.submit(self._body(im, p))
+                   for im, p in zip(images, per_image(prompt, len(images)), strict=True)]
         return [f.result() for f in futures]
 
-    def generate(self, images: list[Image.Image], prompt: str) -> list[str]:
+    def generate(self, images: list[Image.Image], prompt: Prompts) -> list[str]:
         answers = self.answers(images, prompt)
         failed = [a for a in answers if isinstance(a, Failure)]
         if failed:

@@ -4,12 +4,14 @@ The recaption step (recaption/step.py) wraps this with the cache and the build's
 ``pairforge recaption-eval`` (recaption/evaluate.py) runs the same code on a table of
 reference captions, so what the evaluation measures is what a build writes.
 
-Several threads may caption at once (the recaption step's actor works on several batches
-when its backend is a server): the requests overlap, while model calls (a transformers
-captioner, CLIP or the detector for grounding) and the models' loading take one lock, so
-a GPU never holds two batches' activations and a model is loaded once. A row whose request
-failed after the client's retries ends as ``failed:REASON`` (no caption, no strict retry:
-the server failed, not the caption).
+Several threads may caption at once (the recaption step's actor works on several
+batches): a server's requests overlap, while model calls (a transformers captioner, CLIP
+or the detector for grounding) and the models' loading take one lock, so a GPU never holds
+two batches' activations and a model is loaded once. A transformers captioner's rows go
+through one queue (recaption/rounds.py): a batch's strict retries are generated in the
+same calls as other rows, not in a short pass of their own. A row whose request failed
+after the client's retries ends as ``failed:REASON`` (no caption, no strict retry: the
+server failed, not the caption).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pairforge.recaption.detector import DetectorGrounding
 from pairforge.recaption.grounding import ClipGrounding, Grounding, NounLexicon
 from pairforge.recaption.openai_client import Answer, Failure
 from pairforge.recaption.prompts import DEFAULT_PROMPT, STRICT_PROMPT, clean_caption
+from pairforge.recaption.rounds import SharedGenerate
 
 Checked = tuple[str, list[str], list[str]]  # caption, attribute flags, problems
 FAILED = "failed:"  # a problem (and the row's flag) when the backend gave no answer
@@ -72,6 +75,9 @@ class CheckedCaptioner:
         # model calls and lazy loading, one thread at a time (re-entrant: loading the
         # grounding loads CLIP)
         self.lock = threading.RLock()
+        # a model's generate calls, shared by every thread (a server's requests overlap
+        # through its client instead)
+        self.shared = SharedGenerate(self._generate, recaption.batch_size)
 
     @functools.cached_property
     def captioner(self) -> Captioner:
@@ -117,12 +123,24 @@ class CheckedCaptioner:
                 for (caption, flags, problems), nouns in zip(checked, unsupported, strict=True)]
 
     def _answers(self, images: list[Image.Image], prompt: str) -> list[Answer]:
-        """The backend's answers; only a server's requests run outside the lock."""
-        with self.lock:
-            captioner = self.captioner
-            if not captioner.concurrent:
-                return captioner.answers(images, prompt)
+        """The backend's answers; a model's through the shared calls, a server's
+        requests outside the lock."""
+        captioner = self._loaded("captioner")
+        if not captioner.concurrent:
+            return self.shared.answers(images, [prompt] * len(images))
         return captioner.answers(images, prompt)
+
+    def _generate(self, images: list[Image.Image], prompts: list[str]) -> list[Answer]:
+        with self.lock:
+            return self.captioner.answers(images, prompts)
+
+    def _loaded(self, name: str) -> Any:
+        """A model attribute, loaded under the lock the first time; once loaded, read
+        without it, so a thread can queue its rows while another's generate runs."""
+        if name in self.__dict__:
+            return self.__dict__[name]
+        with self.lock:
+            return getattr(self, name)
 
     def close(self) -> None:
         """Close the backend's connections, if it was loaded."""
@@ -134,9 +152,15 @@ class CheckedCaptioner:
                        embeddings: list[Any] | None = None) -> list[CachedCaption]:
         """Caption, check, regenerate the failures once with the strict prompt, or abstain;
         ``embeddings``: the images' CLIP embeddings when the caller has them."""
-        with self.lock:
-            clip_vectors = self.grounding is not None and self.grounding.uses_clip_embeddings
-            if clip_vectors and embeddings is None:  # once for both attempts
+        with self.shared.caller():
+            return self._caption(images, embeddings)
+
+    def _caption(self, images: list[Image.Image],
+                 embeddings: list[Any] | None) -> list[CachedCaption]:
+        grounding = self._loaded("grounding")
+        clip_vectors = grounding is not None and grounding.uses_clip_embeddings
+        if clip_vectors and embeddings is None:  # once for both attempts
+            with self.lock:
                 embeddings = list(self.clip.embed_images(images))
         embeddings = embeddings if clip_vectors else [None] * len(images)
         first = self._attempt(images, embeddings, self.prompt)

@@ -57,6 +57,8 @@ WAIT_FOR_CLAIMANT_S = 600.0
 # what changes how fast a server answers, not what it writes
 SERVER_SPEED_KEYS = ("openai.concurrency", "openai.timeout_s", "openai.retries")
 DETECTOR_KEYS = ("grounding.backend", "grounding.detector")
+# a transformers captioner's actor: one batch generating, one checking or being read
+MODEL_BATCHES_IN_FLIGHT = 2
 
 
 def registry_name(cfg: StepConfig, column: str = "recaption") -> str:
@@ -188,10 +190,13 @@ class RecaptionStep(ModelStep):
     def concurrent_batches(cls, cfg: StepConfig) -> int:
         """A server's actor works on several batches at once, so that its
         ``openai.concurrency`` requests stay in flight while a batch waits for its slowest
-        answer; a model in the actor takes one batch at a time."""
+        answer; a model's actor on two, so that one batch's strict retries ride in the
+        same generate calls as the next batch's rows (recaption/rounds.py) instead of a
+        short call of their own, and the next batch's decoding and cache lookups overlap
+        a generation. Model calls still take one lock: one batch of activations at a time."""
         rc = cfg.process.recaption
         if rc.backend != "openai":
-            return 1
+            return MODEL_BATCHES_IN_FLIGHT
         return batches_in_flight(rc.openai.concurrency, rc.batch_size)
 
     def __init__(self, cfg: StepConfig) -> None:
