@@ -4,8 +4,8 @@ images, batch size and torch threads.
 
     python bench/real_sizes.py [--quick] [--json FILE] [--models vlm clip vq]
                                [--threads 2] [--batch-size 4] [--clip-images 8]
-                               [--vlm-captions 4] [--vlm-batch 2] [--vlm-constrained]
-                               [--max-new-tokens 16] [--vq-images 8]
+                               [--vlm-captions 4] [--vlm-batch 2] [--vlm-threads 2]
+                               [--vlm-constrained] [--max-new-tokens 16] [--vq-images 8]
 
 Models (the published architectures, random weights: no hub is reachable here, and the
 compute does not depend on the weights):
@@ -23,9 +23,15 @@ compute does not depend on the weights):
   ``--max-new-tokens`` long: ``min_new_tokens`` equal to it in both arms (the step through
   the saved ``generation_config``). Step: ``RecaptionStep`` (cache and grounding off; the
   checks and their strict retry on, as in a build: retries are counted, by the problem the
-  checks found) with constrained decoding off (``--vlm-constrained``: a third arm with it
-  on). Bare: ``AutoProcessor`` + ``AutoModelForImageTextToText``, the chat template with
-  the step's prompt, ``generate``, ``batch_decode``.
+  checks found) with constrained decoding off (``--vlm-constrained``: an arm with it
+  on), run as the build's actor runs it: ``--vlm-threads`` batches at once, one thread each
+  (``RecaptionStep.concurrent_batches``: 2), so a batch's strict retries share generate
+  calls with the other batch's rows (recaption/rounds.py); ``step_serial``: the same step
+  one batch at a time, which makes the generate calls the step made before that change
+  (each batch's retries a call of their own). Bare: ``AutoProcessor`` +
+  ``AutoModelForImageTextToText``, the chat template with the step's prompt, ``generate``,
+  ``batch_decode``, one call per ``--vlm-batch`` images. Each arm's generate calls are
+  counted (``generate_calls``: calls and rows generated per counted caption).
 - vq: Chameleon's VQ-VAE (transformers ``ChameleonVQVAE``, the published config) at 256 px,
   its image processor saved at 256. Step: ``TokenizeStep`` (byte caption tokens). Bare:
   ``ChameleonImageProcessor`` + ``ChameleonVQVAE.encode``.
@@ -40,8 +46,8 @@ sample's (../shared/data), else synthesised 640x480 JPEGs. ``--quick``: one coun
 per model. ``--json FILE`` (rewritten after each model): ``{"load_average_before",
 "load_average_after", "threads", "models": {name: {"items", "batch_size",
 "seconds_per_item_bare", "bare_per_s", "seconds_per_item_step", "step_per_s",
-"ratio_step", "ratio", "wall_s", ...}}}``; the VLM adds ``strict_retries`` (per step arm,
-captions sent back by problem).
+"ratio_step", "ratio", "cpu_seconds_per_item", "cpu_ratio", "wall_s", ...}}}``; the VLM adds
+``strict_retries`` (per step arm, captions sent back by problem) and ``generate_calls``.
 """
 
 from __future__ import annotations
@@ -236,7 +242,10 @@ def vlm_process(folder: Path, bs: int, threads: int | None, max_new: int,
                           "cache": {"enabled": False}, "grounding": {"enabled": False}}}
 
 
-def vlm_bare(folder: Path, max_new: int, side: int = 512, device: str = "cpu") -> Callable:
+def vlm_bare(folder: Path, max_new: int, side: int = 512, device: str = "cpu",
+             bs: int | None = None, calls: list[int] | None = None) -> Callable:
+    """The bare loop; ``bs``: generate calls of at most that many images (default: the
+    whole batch); ``calls``: each call's rows are appended to it."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -251,7 +260,14 @@ def vlm_bare(folder: Path, max_new: int, side: int = 512, device: str = "cpu") -
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
 
     def bare(batch: pa.Table) -> None:
+        size = bs or batch.num_rows
+        for start in range(0, batch.num_rows, size):
+            call(batch.slice(start, size))
+
+    def call(batch: pa.Table) -> None:
         images = [[decode(d)] for d in batch["image"].to_pylist()]
+        if calls is not None:
+            calls.append(len(images))
         inputs = processor(text=[text] * len(images), images=images, return_tensors="pt",
                            padding=True, size={"longest_edge": side}).to(device)
         inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
@@ -288,28 +304,51 @@ def vq_arms(folder: Path, bs: int, threads: int | None, work: Path,
     return step, bare
 
 
-def counting_retries(step: Any, name: str, retried: dict[str, Any]) -> Callable:
+def counting_retries(step: Any, name: str, retried: dict[str, Any], bs: int, threads: int,
+                     calls: list[int]) -> Callable:
     """The recaption step as an arm that counts the captions its checks sent back for a
     strict second try (each one a second generation the bare loop does not make), by the
-    problem the checks found, warm-up batch included."""
-    retried[name] = {}
+    problem the checks found, warm-up batch included. The arm's rows are cut into batches
+    of ``bs``, ``threads`` of them captioned at once (as Ray Data's threaded actor calls
+    the step); each generate call's rows are appended to ``calls``."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    def run(batch: pa.Table) -> None:
-        for flags in step(batch)["recaption_flags"].to_pylist():
-            for problem in {f.split(":")[1] for f in flags or [] if f.startswith("regenerated:")}:
-                retried[name][problem] = retried[name].get(problem, 0) + 1
+    retried[name] = {}
+    captioner = step.checked.captioner  # loaded now, to count its calls
+    generate = captioner.generate
+
+    def counted(images: list[Any], prompt: Any) -> list[str]:
+        calls.append(len(images))
+        return generate(images, prompt)
+
+    captioner.generate = counted
+    pool = ThreadPoolExecutor(threads)
+
+    def run(rows: pa.Table) -> None:
+        batches = [rows.slice(i, bs) for i in range(0, rows.num_rows, bs)]
+        for out in pool.map(step, batches):
+            for flags in out["recaption_flags"].to_pylist():
+                for problem in {f.split(":")[1] for f in flags or []
+                                if f.startswith("regenerated:")}:
+                    retried[name][problem] = retried[name].get(problem, 0) + 1
     return run
 
 
 # ------------------------------------------------------------------------- measuring
 def side_by_side(arms: dict[str, Callable[[pa.Table], Any]], table: pa.Table,
-                 bs: int) -> dict[str, float]:
-    """Seconds per item of each arm over table's batches after the first (a warm-up),
-    the arms taking turns batch by batch, the first arm rotating."""
-    batches = [table.slice(i, bs) for i in range(0, table.num_rows, bs)]
+                 bs: int, turn: int | None = None,
+                 warmed: Callable[[], Any] | None = None) -> dict[str, float]:
+    """Seconds per item of each arm over table's batches after the first (a warm-up of
+    ``bs`` rows), the arms taking turns every ``turn`` rows (default ``bs``), the first
+    arm rotating."""
+    turn = turn or bs
+    batches = [table.slice(0, bs)] + [table.slice(i, turn) for i in range(bs, table.num_rows,
+                                                                         turn)]
     names = list(arms)
     for name in names:
         arms[name](batches[0])
+    if warmed is not None:
+        warmed()
     spent = dict.fromkeys(names, 0.0)
     cpu = dict.fromkeys(names, 0.0)
     for b, batch in enumerate(batches[1:]):
@@ -354,18 +393,29 @@ def run_clip(args: Any, work: Path) -> dict[str, Any]:
 def run_vlm(args: Any, work: Path) -> dict[str, Any]:
     from pairforge.recaption.step import RecaptionStep
 
-    bs, n, new = args.vlm_batch, args.vlm_captions, args.max_new_tokens
+    bs, n, new, threads = args.vlm_batch, args.vlm_captions, args.max_new_tokens, args.vlm_threads
     folder = save_smolvlm(work / "smolvlm", max_new_tokens=new)
-    variants = (("step", False), ("step_constrained", True))[:2 if args.vlm_constrained else 1]
+    variants = [("step", False, threads), ("step_serial", False, 1)]
+    if args.vlm_constrained:
+        variants.append(("step_constrained", True, threads))
     retried: dict[str, Any] = {}
+    calls: dict[str, list[int]] = {name: [] for name, _, _ in variants}
+    calls["bare"] = []
     arms = {name: counting_retries(RecaptionStep(step_config(vlm_process(
-        folder, bs, args.threads, new, constrained), work)), name, retried)
-        for name, constrained in variants}
-    arms["bare"] = vlm_bare(folder, new)
-    per_item = side_by_side(arms, rows(n + bs), bs)
+        folder, bs, args.threads, new, constrained), work)), name, retried, bs, k,
+        calls[name]) for name, constrained, k in variants}
+    arms["bare"] = vlm_bare(folder, new, bs=bs, calls=calls["bare"])
+    warm: dict[str, int] = {}  # calls each arm's warm-up batch made
+    per_item = side_by_side(arms, rows(n + bs), bs, bs * threads,
+                            lambda: warm.update({k: len(c) for k, c in calls.items()}))
+    counted = {name: {"calls_per_caption": round((len(c) - warm[name]) / n, 3),
+                      "rows_per_caption": round(sum(c[warm[name]:]) / n, 3),
+                      "rows_per_call": sorted(set(c[warm[name]:]))}
+               for name, c in calls.items()}
     return report("vlm SmolVLM-256M", per_item, n, bs, model="SmolVLM-256M-Instruct (random)",
-                  max_new_tokens=new, input_resolution=512,
-                  strict_retries=retried)
+                  max_new_tokens=new, input_resolution=512, threads_per_actor=threads,
+                  strict_retries=retried, generate_calls=counted)
+
 
 
 def run_vq(args: Any, work: Path) -> dict[str, Any]:
@@ -385,8 +435,11 @@ def main() -> None:
     parser.add_argument("--clip-images", type=int, default=8, help="counted (after warm-up)")
     parser.add_argument("--vlm-captions", type=int, default=4, help="counted (after warm-up)")
     parser.add_argument("--vlm-batch", type=int, default=2)
+    parser.add_argument("--vlm-threads", type=int, default=2,
+                        help="batches the step's actor holds at once (the step's "
+                        "concurrent_batches for a transformers captioner)")
     parser.add_argument("--vlm-constrained", action="store_true",
-                        help="a third arm: the step with constrained decoding on")
+                        help="another arm: the step with constrained decoding on")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--vq-images", type=int, default=8, help="counted (after warm-up)")
     parser.add_argument("--quick", action="store_true", help="one counted batch per model")
@@ -394,7 +447,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.clip_images = args.vq_images = args.batch_size
-        args.vlm_captions = args.vlm_batch
+        args.vlm_captions = args.vlm_batch * args.vlm_threads
     import tempfile
 
     import torch

@@ -56,7 +56,7 @@ GPU_SIZES = dict(clip="ViT-L-14", clip_bs=128, clip_batches=30, step_images=1024
                  chain_rows=16384, vlm_captions=256, vlm_bs=32, max_new_tokens=32,
                  vq_images=512, vq_bs=32, vq_side=256, size="real")
 SMOKE_SIZES = dict(clip="pf-smoke-clip", clip_bs=4, clip_batches=2, step_images=4,
-                   chain_rows=32, vlm_captions=2, vlm_bs=2, max_new_tokens=4,
+                   chain_rows=32, vlm_captions=4, vlm_bs=2, max_new_tokens=4,
                    vq_images=2, vq_bs=2, vq_side=32, size="tiny")
 
 
@@ -277,29 +277,33 @@ def steady_rate(out: Path, rows: int) -> dict[str, Any]:
 
 
 def vlm(sizes: dict[str, Any], device: str, work: Path) -> dict[str, Any]:
-    """The recaption step, constrained decoding on and off, and the bare generate loop."""
-    from pairforge.recaption.step import RecaptionStep
+    """The recaption step, constrained decoding on and off, and the bare generate loop;
+    the step as the build's actor runs it (``concurrent_batches`` batches at once)."""
+    from pairforge.recaption.step import MODEL_BATCHES_IN_FLIGHT, RecaptionStep
 
     bs, new = sizes["vlm_bs"], sizes["max_new_tokens"]
     folder = rs.save_smolvlm(work / "smolvlm", sizes["size"], new)
     side = 512 if sizes["size"] == "real" else 64
     arms: dict[str, Callable] = {}
     retried: dict[str, Any] = {}
+    threads = MODEL_BATCHES_IN_FLIGHT
+    calls: dict[str, list[int]] = {"constrained_on": [], "constrained_off": [], "bare": []}
     for name, constrained in (("constrained_on", True), ("constrained_off", False)):
         process = rs.vlm_process(folder, bs, None, new, constrained)
         process["recaption"].update(num_gpus=1 if device == "cuda" else 0,
                                     input_resolution=side)
         arms[name] = rs.counting_retries(RecaptionStep(rs.step_config(process, work)), name,
-                                         retried)
-    arms["bare"] = rs.vlm_bare(folder, new, side, device)
-    per_item = rs.side_by_side(arms, rs.rows(sizes["vlm_captions"] + bs), bs)
+                                         retried, bs, threads, calls[name])
+    arms["bare"] = rs.vlm_bare(folder, new, side, device, bs, calls["bare"])
+    per_item = rs.side_by_side(arms, rs.rows(sizes["vlm_captions"] + bs), bs, bs * threads)
     return {"backend": "transformers", "model": "SmolVLM-256M-Instruct architecture",
             "captions": sizes["vlm_captions"], "batch_size": bs, "new_tokens": new,
             "input_resolution": side,
             **{f"{arm}_captions_per_s": round(1 / s, 2) for arm, s in per_item.items()},
             "ratio_constrained_off": round(per_item["bare"] / per_item["constrained_off"], 3),
             "constrained_cost": round(per_item["constrained_on"] / per_item["constrained_off"]
-                                      - 1, 3), "strict_retries": retried}
+                                      - 1, 3), "strict_retries": retried,
+            "generate_calls": {arm: len(c) for arm, c in calls.items()}}
 
 
 def vq(sizes: dict[str, Any], device: str, work: Path) -> dict[str, Any]:
