@@ -53,7 +53,7 @@ class SharedGenerate:
         self.cond = threading.Condition()
         self.pending: deque[_Row] = deque()
         self.callers = 0  # threads inside ``caller()``: they may still submit rows
-        self.waiting = 0  # threads blocked in ``answers``
+        self.waiting: dict[object, list[_Row]] = {}  # each ``answers`` call's rows
         self.running = False
 
     @contextlib.contextmanager
@@ -72,9 +72,10 @@ class SharedGenerate:
     def answers(self, images: list[Image.Image], prompts: list[str]) -> list[Answer]:
         """The backend's answer for each image under its prompt, in order."""
         mine = [_Row(image, prompt) for image, prompt in zip(images, prompts, strict=True)]
+        token = object()
         with self.cond:
             self.pending.extend(mine)
-            self.waiting += 1
+            self.waiting[token] = mine
             try:
                 while not all(row.done for row in mine):
                     if self._ready():
@@ -82,7 +83,7 @@ class SharedGenerate:
                     else:
                         self.cond.wait()
             finally:
-                self.waiting -= 1
+                del self.waiting[token]
         for row in mine:
             if row.error is not None:
                 raise row.error
@@ -91,9 +92,11 @@ class SharedGenerate:
     def _ready(self) -> bool:
         if self.running or not self.pending:
             return False
-        # full, or nobody left who could add to it (callers outside ``caller()`` count
-        # as waiting only)
-        return len(self.pending) >= self.size.rows or self.waiting >= self.callers
+        # full, or nobody left who could add to it: every caller is blocked on rows not
+        # yet generated (one whose rows are all done is about to go on, and may add its
+        # retries; callers outside ``caller()`` count only while blocked)
+        blocked = sum(not all(row.done for row in rows) for rows in self.waiting.values())
+        return len(self.pending) >= self.size.rows or blocked >= self.callers
 
     def _run_one(self) -> None:
         """Take the oldest rows and generate them, the condition released meanwhile."""
