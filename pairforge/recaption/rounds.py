@@ -8,7 +8,8 @@ batch waits. Here every thread of the actor (the recaption step works on
 one queue, and a call takes up to ``batch_size`` of them, oldest first, each with its own
 prompt (backends.Prompts): a batch's retries ride in the same call as another batch's
 rows. A call starts when it can be filled, or when no caller could add a row to it (every
-thread that may submit is waiting here), so a lone batch never waits for company.
+thread that may submit is blocked here on rows not yet generated), so a lone batch never
+waits for company.
 
 Rows are answered in the order they came; a caller returns when its own rows are. Greedy
 decoding gives a row the same text whatever rows ride beside it (the backends' tests: a
