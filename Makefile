@@ -13,13 +13,15 @@ install:
 demo: install
 	pairforge build examples/demo.yaml
 
-# the whole suite (what .ci/run runs), with the 25 slowest tests at the end
+# the whole suite (what .ci/run runs), with the 25 slowest tests at the end; whole files
+# to each worker, the longest first (tests/conftest.py, LONGEST_FIRST)
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: install
-	$(PYTHON) -m pytest -q -ra -n 2 --dist loadfile --durations=25
+	$(PYTHON) -m pytest -q -ra $(XDIST) --durations=25
 
 # everything but the slow, cluster and end-to-end tests: a few minutes on 2 cores
 test-fast: install
-	$(PYTHON) -m pytest -q -ra -n 2 --dist loadfile -m "$(FAST_LOOP)" --durations=10
+	$(PYTHON) -m pytest -q -ra $(XDIST) -m "$(FAST_LOOP)" --durations=10
 
 lint:
 	ruff check pairforge tests bench

@@ -29,7 +29,7 @@ def _write(folder: Path, name: str, server: LoopbackServer, photos: list[str]) -
         f"{server.url('/img/' + p)},a photo of {p}\n" for p in photos))
 
 
-def _build(tmp_path: Path) -> subprocess.CompletedProcess:
+def _build(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     cfg = {"input": {"path": str(tmp_path / "in" / "*.csv"), "shard_size": 4},
            "output": {"path": str(tmp_path / "out")},
            "ray": {"num_cpus": 2, "object_store_memory": 200 * 1024**2},
@@ -39,7 +39,7 @@ def _build(tmp_path: Path) -> subprocess.CompletedProcess:
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     return subprocess.run([sys.executable, "-m", "pairforge.cli", "build",
                            str(tmp_path / "c.yaml"), "-q"], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=env)
 
 
 def _files(out: Path) -> dict[str, tuple[int, str]]:
@@ -49,11 +49,11 @@ def _files(out: Path) -> dict[str, tuple[int, str]]:
             for folder in ("raw", "shards") for p in sorted((out / folder).glob("[0-9]*"))}
 
 
-def test_two_new_files_become_new_shards_and_touch_no_earlier_one(tmp_path):
+def test_two_new_files_become_new_shards_and_touch_no_earlier_one(tmp_path, ray_env):
     with LoopbackServer(COCO_IMAGES) as server:
         _write(tmp_path / "in", "b.csv", server, PHOTOS[0:6])  # shards 0 (4 rows), 1 (2)
         _write(tmp_path / "in", "c.csv", server, PHOTOS[6:9])  # ... 1 (2 more), 2 (1)
-        first = _build(tmp_path)
+        first = _build(tmp_path, ray_env)
         assert first.returncode == 0, first.stderr[-3000:]
         out = tmp_path / "out"
         before = _files(out)
@@ -63,7 +63,7 @@ def test_two_new_files_become_new_shards_and_touch_no_earlier_one(tmp_path):
         # earlier image
         _write(tmp_path / "in", "a.csv", server, PHOTOS[9:12])
         _write(tmp_path / "in", "d.csv", server, [PHOTOS[13], PHOTOS[0]])
-        second = _build(tmp_path)
+        second = _build(tmp_path, ray_env)
         assert second.returncode == 0, second.stderr[-3000:]
     after = _files(out)
     for name, seen in before.items():

@@ -37,7 +37,7 @@ def planted(tmp_path_factory) -> Path:
     return folder
 
 
-def test_build_drops_planted_duplicates_and_the_funnel_adds_up(tmp_path, planted):
+def test_build_drops_planted_duplicates_and_the_funnel_adds_up(tmp_path, planted, ray_env):
     names = sorted(p.name for p in planted.glob("sample_*.jpg"))
     variants = ["copy.jpg", "lossless.png", "q60.jpg", "half.jpg", "mirror.jpg", "crop10.jpg"]
     with LoopbackServer(planted) as server:
@@ -53,7 +53,7 @@ def test_build_drops_planted_duplicates_and_the_funnel_adds_up(tmp_path, planted
         (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
         result = subprocess.run([sys.executable, "-m", "pairforge.cli", "build",
                                  str(tmp_path / "c.yaml"), "-q"], capture_output=True,
-                                text=True, timeout=600)
+                                text=True, timeout=600, env=ray_env)
     assert result.returncode == 0, result.stderr
     assert "dedup:" in result.stderr and "training shards:" in result.stderr
 

@@ -126,11 +126,11 @@ def _check_tars(raw: Path, ok_rows: list[dict]) -> None:
     assert {dataset[i]["__key__"] for i in range(len(dataset))} == {r["key"] for r in ok_rows}
 
 
-def _run_cli(cfg_path: Path, out: Path, *extra: str):
+def _run_cli(cfg_path: Path, out: Path, *extra: str, env: dict[str, str] | None = None):
     cmd = [sys.executable, "-m", "pairforge.cli", "download", str(cfg_path), "-q",
            "--set", f"output.path={out}", *extra]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
 
 
 def _shard_contents(raw: Path) -> dict[str, tuple]:
@@ -142,7 +142,7 @@ def _shard_contents(raw: Path) -> dict[str, tuple]:
 
 
 @pytest.mark.slow
-def test_sigkill_then_rerun_equals_uninterrupted_run(tmp_path, servers):
+def test_sigkill_then_rerun_equals_uninterrupted_run(tmp_path, servers, ray_env):
     import os
     import signal
     import time
@@ -174,8 +174,10 @@ def test_sigkill_then_rerun_equals_uninterrupted_run(tmp_path, servers):
     complete_before = len(list((killed / "raw").glob("*_stats.json")))
     assert complete_before < 12, "the run finished before it could be killed"
 
-    assert _run_cli(cfg_path, killed).wait() == 0
-    assert _run_cli(cfg_path, tmp_path / "whole").wait() == 0
+    # the killed run had its own Ray, gone with it (its process group); the rerun and the
+    # uninterrupted run join this worker's (conftest's ray_env: a Ray start less each)
+    assert _run_cli(cfg_path, killed, env=ray_env).wait() == 0
+    assert _run_cli(cfg_path, tmp_path / "whole", env=ray_env).wait() == 0
 
     raw = killed / "raw"
     tars = {p.stem for p in raw.glob("*.tar")}

@@ -52,7 +52,7 @@ def _closed_port() -> int:
 
 
 @pytest.fixture
-def built(tmp_path: Path) -> tuple[Path, str, str, str]:
+def built(tmp_path: Path, ray_env: dict[str, str]) -> tuple[Path, str, str, str]:
     images = tmp_path / "images"
     make_images(images)
     with LoopbackServer(images) as good, LoopbackServer(images) as failing:
@@ -72,7 +72,7 @@ def built(tmp_path: Path) -> tuple[Path, str, str, str]:
         (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
         done = subprocess.run([sys.executable, "-m", "pairforge.cli", "build",
                                str(tmp_path / "c.yaml"), "-q"], capture_output=True,
-                              text=True, timeout=600)
+                              text=True, timeout=600, env=ray_env)
         bases = good.base_url, failing.base_url
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp_path / "out", *bases, refused

@@ -139,12 +139,12 @@ def test_force_and_retry_failed_do_not_go_together(tmp_path):
     assert "--force" in result.output and "--retry-failed" in result.output
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess:
+def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pairforge.cli", *argv], capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=env)
 
 
-def test_process_force_on_a_finished_build_redoes_it(tmp_path):
+def test_process_force_on_a_finished_build_redoes_it(tmp_path, ray_env):
     """The issue's case: `pairforge process CONFIG --force` on a finished build used to
     change nothing ("rows 0/0"); now it remakes every training shard, under the settings
     given, and the build still verifies."""
@@ -157,14 +157,14 @@ def test_process_force_on_a_finished_build_redoes_it(tmp_path):
         "output": {"path": str(tmp_path / "out")}, "ray": {"num_cpus": 2},
         "download": {"threads": 4, "allow_file_scheme": True, "image": {"image_size": 64}},
         "process": {"basic": {"min_image_side": 32}}}))
-    built = _cli("build", str(config), "-q")
+    built = _cli("build", str(config), "-q", env=ray_env)
     assert built.returncode == 0, built.stderr[-3000:]
     shards = tmp_path / "out" / "shards"
     before = {p.name: p.stat().st_mtime_ns for p in shards.glob("*_stats.json")}
     assert len(before) == 2
-    again = _cli("process", str(config), "-q")
+    again = _cli("process", str(config), "-q", env=ray_env)
     assert again.returncode == 0 and "2 already complete" in again.stderr
-    forced = _cli("process", str(config), "-q", "--force")
+    forced = _cli("process", str(config), "-q", "--force", env=ray_env)
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert "0 already complete), 12 rows" in forced.stderr
     after = {p.name: p.stat().st_mtime_ns for p in shards.glob("*_stats.json")}

@@ -743,7 +743,7 @@ def test_over_asking_for_gpus_stops_before_any_shard(tmp_path, coco_raw, tiny_cl
     assert not list((out / "shards").glob("*.tar"))
 
 
-def test_build_checks_stage_three_gpus_before_downloading(tmp_path, tiny_clip):
+def test_build_checks_stage_three_gpus_before_downloading(tmp_path, tiny_clip, ray_env):
     """`pairforge build` asks stage 3's GPU question before stage 1 fetches a byte: an
     over-asking config exits 2 with the key named and no raw shard written."""
     import subprocess
@@ -758,7 +758,7 @@ def test_build_checks_stage_three_gpus_before_downloading(tmp_path, tiny_clip):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     result = subprocess.run([sys.executable, "-m", "pairforge.cli", "build",
                              str(tmp_path / "c.yaml"), "-q"], capture_output=True, text=True,
-                            timeout=300)
+                            timeout=300, env=ray_env)
     assert result.returncode == 2, result.stderr
     assert "process.clip.num_gpus 1" in result.stderr
     assert not list((tmp_path / "out").rglob("*.tar"))

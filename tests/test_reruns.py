@@ -142,13 +142,13 @@ def test_build_checks_a_training_shard_whose_raw_shard_stage_1_must_remake(tmp_p
 # ------------------------------------------------------------ through the CLI, end to end
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess:
+def _cli(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pairforge.cli", *argv, "-q"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[Path, Path]:
+def built(tmp_path_factory, ray_env) -> tuple[Path, Path, dict[str, str]]:
     """A small build (12 photos, shards of 4, no dedup, the shipped VQ): (config, OUT)."""
     root = tmp_path_factory.mktemp("rerun")
     names = sorted(p.name for p in COCO_IMAGES.glob("*.jpg"))[:12]
@@ -170,9 +170,9 @@ def built(tmp_path_factory) -> tuple[Path, Path]:
                                     "text": {"backend": "bytes"}}}}
     config = root / "c.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    done = _cli("build", str(config))
+    done = _cli("build", str(config), env=ray_env)
     assert done.returncode == 0, done.stderr[-3000:]
-    yield config, root / "out"
+    yield config, root / "out", ray_env
     server.stop()
 
 
@@ -200,27 +200,27 @@ cli.main()
 
 
 def test_build_reads_the_settings_of_each_stage_once(built):
-    config, out = built
+    config, out, env = built
     p_drop = json.loads((out / "shards" / "00000_stats.json").read_text())["budget"]["p_drop"]
     done = subprocess.run([sys.executable, "-c", _COUNT_CHECKS, "build", str(config), "-q",
                            "--set", f"process.tasks.p_drop={p_drop}"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "3 already complete" in done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == [["download", "process"]]
 
 
 def test_a_rerun_under_a_new_setting_stops_before_work_and_force_redoes(built):
-    config, out = built
+    config, out, env = built
     shards_before = _stats(out, "shards")
     faster = _cli("process", str(config), "--set", "process.clip.batch_size=7",
-                  "--set", "download.threads=2")
+                  "--set", "download.threads=2", env=env)
     assert faster.returncode == 0, faster.stderr[-3000:]
     assert "3 already complete" in faster.stderr  # speed knobs reuse the shards
     assert _stats(out, "shards") == shards_before
     manifest_before = (out / "manifest.json").read_text()
 
-    changed = _cli("process", str(config), "--set", "process.tasks.p_drop=0.5")
+    changed = _cli("process", str(config), "--set", "process.tasks.p_drop=0.5", env=env)
     assert changed.returncode == 2, changed.stderr[-3000:]
     assert "Traceback" not in changed.stderr + changed.stdout
     assert "process.tasks.p_drop" in changed.stderr and "--force" in changed.stderr
@@ -228,7 +228,7 @@ def test_a_rerun_under_a_new_setting_stops_before_work_and_force_redoes(built):
     assert _stats(out, "shards") == shards_before  # nothing redone, nothing rewritten
     assert (out / "manifest.json").read_text() == manifest_before
 
-    forced = _cli("process", str(config), "--set", "process.tasks.p_drop=0.5", "--force")
+    forced = _cli("process", str(config), "--set", "process.tasks.p_drop=0.5", "--force", env=env)
     assert forced.returncode == 0, forced.stderr[-3000:]
     redone = _stats(out, "shards")
     assert {s["budget"]["p_drop"] for s in redone.values()} == {0.5}
@@ -243,15 +243,15 @@ def test_a_rerun_under_a_new_setting_stops_before_work_and_force_redoes(built):
 
 
 def test_a_stage_1_setting_change_is_caught_too(built):
-    config, out = built
+    config, out, env = built
     raw_before = _stats(out, "raw")
-    changed = _cli("download", str(config), "--set", "download.image.image_size=32")
+    changed = _cli("download", str(config), "--set", "download.image.image_size=32", env=env)
     assert changed.returncode == 2, changed.stderr[-3000:]
     assert "download.image.image_size" in changed.stderr
     assert "Traceback" not in changed.stderr
     assert _stats(out, "raw") == raw_before
     # build checks every stage up front: the same change stops it before stage 1
-    build = _cli("build", str(config), "--set", "download.image.image_size=32")
+    build = _cli("build", str(config), "--set", "download.image.image_size=32", env=env)
     assert build.returncode == 2 and "download.image.image_size" in build.stderr
     assert _stats(out, "raw") == raw_before
 

@@ -33,7 +33,7 @@ def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="session")
-def coco_shards(tmp_path_factory) -> Path:
+def coco_shards(tmp_path_factory, ray_env) -> Path:
     """COCO photos with caption sidecars -> our VQ at 32 px (8x8 codes, K=64) -> shards."""
     root = tmp_path_factory.mktemp("train_coco")
     images = root / "images"
@@ -55,7 +55,7 @@ def coco_shards(tmp_path_factory) -> Path:
                           "tokenize": {"enabled": True, "image": {"path_or_id": str(root / "vq")}},
                           "tasks": {"p_drop": P_DROP}}}
     (root / "build.yaml").write_text(yaml.safe_dump(config))
-    build = _cli("build", str(root / "build.yaml"), "-q")
+    build = _cli("build", str(root / "build.yaml"), "-q", env=ray_env)
     assert build.returncode == 0, build.stdout + build.stderr
     return root / "out"
 
