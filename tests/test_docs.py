@@ -166,8 +166,13 @@ def test_readme_is_a_door_into_the_site() -> None:
 
 def test_the_fast_loop_leaves_out_only_tests_that_exist() -> None:
     """`make test-fast`'s list (tests/conftest.py) names files and tests that exist, so a
-    renamed test cannot slip into the fast loop unnoticed."""
-    from conftest import FAST_LOOP_LEAVES_OUT
+    renamed test cannot slip into the fast loop unnoticed; so does the order in which
+    `make test` hands the longest files to its workers (a renamed file would go last)."""
+    from conftest import FAST_LOOP_LEAVES_OUT, LONGEST_FIRST
+
+    assert [p for p in LONGEST_FIRST if not (ROOT / p).is_file()] == []
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+    assert "--no-loadscope-reorder" in (ROOT / "Makefile").read_text()
 
     missing = []
     for entries in FAST_LOOP_LEAVES_OUT.values():
