@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from typing import Any
 
 OFF_ENV = "PAIRFORGE_RAY_PRIVATE_OFF"
-USES = ("monitors", "dashboard", "node_poll", "soft_limit", "prestart", "cut_blocks")
+USES = ("monitors", "dashboard", "node_poll", "loopback", "replica_grpc", "soft_limit",
+        "prestart", "cut_blocks")
 
 
 def switched_off(use: str) -> bool:
@@ -87,11 +88,17 @@ def _node_poll_problem() -> str | None:
 @contextmanager
 def lean_local_start() -> Iterator[None]:
     """While a local instance starts: no log monitor and no autoscaler monitor
-    (``monitors``), no dashboard (``dashboard``), and the driver finds its node as soon as
-    the raylet registers (``node_poll``). Each use that is switched off or no longer
-    applies leaves Ray's own start as it is."""
+    (``monitors``), no dashboard (``dashboard``), the driver finds its node as soon as
+    the raylet registers (``node_poll``), and every server of the instance listens on
+    loopback only (``loopback``). Each use that is switched off or no longer applies
+    leaves Ray's own start as it is."""
     applied: list[tuple[Any, str, Any]] = []  # (owner, attribute, Ray's original)
     try:
+        if applies("loopback"):
+            from ray._private import ray_constants
+            applied.append((ray_constants, "ENABLE_RAY_CLUSTER",
+                            ray_constants.ENABLE_RAY_CLUSTER))
+            ray_constants.ENABLE_RAY_CLUSTER = False
         if applies("monitors"):
             from ray._private.parameter import RayParams
             applied.append((RayParams, "__init__", RayParams.__init__))
@@ -156,6 +163,88 @@ def wait_for_registration(gcs_address: str, node_id: str, patience_s: float = 5.
     except Exception:  # another Ray's internals: its own wait alone decides
         pass
     return False
+
+
+# --- a local instance on loopback only (``loopback``, ``replica_grpc``) -----------------
+# Ray binds its servers by the node's IP address. With a loopback one (127.0.0.1) the GCS,
+# the raylet's node and object managers, every worker's core-worker server and the
+# dashboard agent's gRPC server (dashboard/agent.py: localhost if ``is_localhost``, else
+# ``get_all_interfaces_ip``) listen on loopback, and so do the agents' HTTP servers (on the
+# node's address); with the host's address the first five listen on every interface ("*",
+# IPv4 and IPv6) and the others on that address. A local instance is never joined from
+# another host, so its node's address is loopback: Ray's own choice where clusters are off
+# (macOS and Windows, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``), which
+# ``services.get_node_ip_address`` reads from ``ray_constants.ENABLE_RAY_CLUSTER``.
+# ``ray.init(_node_ip_address="127.0.0.1")`` does not do it: Ray replaces a loopback
+# address by that same function's answer (``services.resolve_ip_for_localhost``), and the
+# variable is read once, when Ray is imported, before ``init_ray`` can set it.
+#
+# One server takes no address from the node: each Serve replica's inter-deployment gRPC
+# server binds "[::]:0" (``Replica._on_initialized``); callers reach it at the replica's
+# node address, so on a loopback node it binds that address instead (``replica_grpc``).
+
+
+def _loopback_problem() -> str | None:
+    try:
+        from ray._private import ray_constants, services
+    except ImportError as error:
+        return f"ray._private.services: {error}"
+    if not isinstance(getattr(ray_constants, "ENABLE_RAY_CLUSTER", None), bool):
+        return "ray_constants.ENABLE_RAY_CLUSTER is gone"
+    try:
+        source = inspect.getsource(services.get_node_ip_address)
+    except (OSError, TypeError):
+        return "services.get_node_ip_address has no source to read"
+    if "ENABLE_RAY_CLUSTER" not in source or "get_localhost_ip" not in source:
+        return "services.get_node_ip_address no longer answers loopback without clusters"
+    return None
+
+
+_REPLICA_ADDRESS = '"[::]:0"'  # what Replica._on_initialized binds
+
+
+def _replica_grpc_problem() -> str | None:
+    try:
+        from ray.serve._private import replica
+    except ImportError as error:
+        return f"ray.serve._private.replica: {error}"
+    starts = getattr(getattr(replica, "Replica", None), "_on_initialized", None)
+    try:
+        source = inspect.getsource(starts) if starts else ""
+    except (OSError, TypeError):
+        source = ""
+    if f"add_port_to_grpc_server(self._server, {_REPLICA_ADDRESS})" not in source:
+        return ("Replica._on_initialized no longer binds its gRPC server with "
+                f"add_port_to_grpc_server(self._server, {_REPLICA_ADDRESS})")
+    if not callable(getattr(replica, "add_port_to_grpc_server", None)):
+        return "ray.serve._private.replica.add_port_to_grpc_server is gone"
+    return None
+
+
+def bind_replica_grpc_to_node() -> None:
+    """In a Serve replica's process (called from a deployment's constructor, which Ray
+    runs before the replica starts that server): on a loopback node, its inter-deployment
+    gRPC server binds the node's address, not every interface. Elsewhere, switched off or
+    no longer applying: Ray's own binding."""
+    import ray
+    from ray._common.network_utils import build_address, is_localhost
+
+    node = ray.util.get_node_ip_address()
+    if not applies("replica_grpc") or not is_localhost(node):
+        return
+    from ray.serve._private import replica
+
+    add_port = replica.add_port_to_grpc_server
+    if getattr(add_port, "pairforge_node", None):
+        return
+
+    def on_node(server: Any, address: str) -> int:
+        if address == _REPLICA_ADDRESS.strip('"'):
+            address = build_address(node, 0)
+        return add_port(server, address)
+
+    on_node.pairforge_node = node  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = on_node
 
 
 # --- Ray's internal worker settings (``soft_limit``, ``prestart``) ----------------------
@@ -245,6 +334,8 @@ _CHECKS: dict[str, Callable[[], str | None]] = {
     "monitors": _monitors_problem,
     "dashboard": _dashboard_problem,
     "node_poll": _node_poll_problem,
+    "loopback": _loopback_problem,
+    "replica_grpc": _replica_grpc_problem,
     "cut_blocks": _cut_blocks_problem,
 }
 

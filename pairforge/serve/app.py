@@ -44,6 +44,7 @@ from pairforge.config import (
     RecaptionConfig,
     ServeConfig,
 )
+from pairforge.pipeline.ray_private import bind_replica_grpc_to_node
 from pairforge.serve.captioning import Answer
 from pairforge.serve.inputs import (
     FORMS,
@@ -133,6 +134,7 @@ class CaptionIngress:
     def __init__(self, model: DeploymentHandle, s: ServeConfig, download: DownloadConfig,
                  model_name: str, token_sha256: str | None) -> None:
         """``download``: stage 1's fetcher and image pass, which the service reuses."""
+        bind_replica_grpc_to_node()  # before Serve starts this replica's gRPC server
         self.model, self.serve, self.token_sha256 = model, s, token_sha256
         self.image, self.model_name = download.image, model_name
         self.metrics = ServeMetrics()

@@ -31,6 +31,7 @@ from typing import Generic, TypeVar
 from ray import serve
 
 from pairforge.config import ClipConfig, RecaptionConfig, ServeConfig
+from pairforge.pipeline.ray_private import bind_replica_grpc_to_node
 from pairforge.serve.captioning import Answer, ReplicaCaptioner
 from pairforge.serve.inputs import Upload
 
@@ -117,6 +118,7 @@ class MergingCaller(Generic[T, R]):
 @serve.deployment(name=MODEL_DEPLOYMENT)
 class CaptionModel:
     def __init__(self, serve: ServeConfig, recaption: RecaptionConfig, clip: ClipConfig) -> None:
+        bind_replica_grpc_to_node()  # before Serve starts this replica's gRPC server
         self.captioner = ReplicaCaptioner(recaption, clip, serve.cache)
         self.captioner.load()
         self.call = MergingCaller(self.captioner.caption, serve.max_batch_size)
