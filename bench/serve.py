@@ -23,6 +23,14 @@ scenes sent in turn, so with an LRU of 2000 every request is a miss and runs the
 
 Batch sizes are the service's own (``pairforge_serve_batch_size`` from ``/metrics``, the
 difference over each phase).
+
+``--pairs N`` runs only the bare loop and 64 closed-loop clients in turn, N times, and
+gives each side's CPU as well: the bare loop's CPU milliseconds per image (this process),
+and the service's per answered request by role (``process_cpu``: the model replica, the
+ingress replica, HAProxy, the rest of Ray, and this process, the driver and the load
+generator), and ``model_cores``, the share of a core the model replica had while
+saturated. On a shared host the images/s ratio moves with the other work; the CPU
+figures move less, and ``cpu_ratio_median`` says what they allow on an idle host.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import threading
@@ -164,12 +173,60 @@ def bare_loop(cfg, bodies: list[bytes], seconds: float) -> dict:  # noqa: ANN001
     images = [decode_upload(b, cfg.serve, cfg.download.image).image for b in bodies[:512]]
     batch = cfg.serve.max_batch_size
     checked.caption_images(images[:batch])  # warm up
-    done, start = 0, time.perf_counter()
+    done, start, cpu = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - start < seconds:
         at = done % len(images)
         done += len(checked.caption_images(images[at:at + batch]))
     return {"images_per_s": round(done / (time.perf_counter() - start), 1),
+            "cpu_ms_per_image": round(1000 * (time.process_time() - cpu) / done, 2),
             "batch": batch, "torch_threads": torch.get_num_threads()}
+
+
+def process_cpu() -> dict[int, tuple[str, float]]:
+    """pid -> (role, CPU seconds so far) of this process and its descendants (the local
+    Ray this process started: its GCS, raylet, agents, workers, Serve's actors, HAProxy).
+    Roles: "model" and "ingress" (the two deployments' replicas), "haproxy" and "ray"
+    (everything else); ``cpu_per_request`` counts this process (the driver and the load
+    generator) as "driver"."""
+    tick, parents, seen = os.sysconf("SC_CLK_TCK"), {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                name, rest = (entry / "stat").read_text().split("(", 1)[1].rsplit(")", 1)
+                command = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            fields = rest.split()
+            parents[int(entry.name)] = int(fields[1])
+            seen[int(entry.name)] = (_role(name, command),
+                                     (int(fields[11]) + int(fields[12])) / tick)
+    tree = [os.getpid()]
+    for pid in tree:
+        tree += [child for child, parent in parents.items() if parent == pid]
+    return {pid: seen[pid] for pid in tree if pid in seen}
+
+
+def _role(name: str, command: bytes) -> str:
+    from pairforge.serve.app import INGRESS_DEPLOYMENT
+    from pairforge.serve.model import MODEL_DEPLOYMENT
+
+    if f":{MODEL_DEPLOYMENT}".encode() in command:
+        return "model"
+    if f":{INGRESS_DEPLOYMENT}".encode() in command:
+        return "ingress"
+    return "haproxy" if name == "haproxy" else "ray"
+
+
+def cpu_per_request(before: dict, after: dict, requests: int) -> dict[str, float]:
+    """CPU milliseconds per answered request by role, between two ``process_cpu``."""
+    spent: dict[str, float] = {}
+    for pid, (role, seconds) in after.items():
+        role = "driver" if pid == os.getpid() else role
+        spent[role] = spent.get(role, 0.0) + seconds - before.get(pid, (role, 0.0))[1]
+    out = {f"{role}_cpu_ms": round(1000 * value / max(1, requests), 2)
+           for role, value in sorted(spent.items())}
+    out["all_cpu_ms"] = round(1000 * sum(spent.values()) / max(1, requests), 2)
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -257,15 +314,28 @@ def pairs(cfg, bodies: list[bytes], args: argparse.Namespace) -> dict:  # noqa: 
     measured(url, load.closed(4, 3.0))  # warm up
     rows = []
     for _ in range(args.pairs):
-        bare = bare_loop(cfg, bodies, args.phase_s)["images_per_s"]
+        bare = bare_loop(cfg, bodies, args.phase_s)
+        before = process_cpu()
         served = measured(url, load.closed(64, args.phase_s))
-        rows.append({"bare": bare, "serve": served["images_per_s"],
+        cpu = cpu_per_request(before, process_cpu(), served["requests"] - served["errors"])
+        rows.append({"bare": bare["images_per_s"], "serve": served["images_per_s"],
                      "mean_batch": served["mean_batch"], "errors": served["errors"],
-                     "ratio": round(served["images_per_s"] / bare, 2)})
+                     "ratio": round(served["images_per_s"] / bare["images_per_s"], 2),
+                     "bare_cpu_ms": bare["cpu_ms_per_image"], **cpu,
+                     # the cores the model replica had: 1.0 is a core of its own
+                     "model_cores": round(cpu.get("model_cpu_ms", 0.0)
+                                          * served["images_per_s"] / 1000, 2),
+                     "load": round(os.getloadavg()[0], 1)})
         print(rows[-1], flush=True)
     ratios = sorted(r["ratio"] for r in rows)
+    # what the CPU figures allow on a host with nothing else to run: the service is held
+    # by its model replica (one model thread) or by all of its processes sharing the cores
+    cores = os.cpu_count() or 1
+    cpu_ratios = sorted(r["bare_cpu_ms"] / max(r.get("model_cpu_ms", 0.0),
+                                               r["all_cpu_ms"] / cores) for r in rows)
     return {"rows": rows, "ratio_median": statistics.median(ratios),
-            "ratio_range": [ratios[0], ratios[-1]]}
+            "ratio_range": [ratios[0], ratios[-1]],
+            "cpu_ratio_median": round(statistics.median(cpu_ratios), 2)}
 
 
 def start(cfg) -> str:  # noqa: ANN001
