@@ -193,7 +193,9 @@ def service(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, int]]:
               "serve": {"port": port, "ingress_num_cpus": 0.1, "drain_s": 5}}
     (tmp / "serve.json").write_text(json.dumps(config))
     log = open(tmp / "serve.log", "w")  # noqa: SIM115 (closed below)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # as shipped: a local Ray (no RAY_ADDRESS), no private Ray API switched off
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "PAIRFORGE_RAY_PRIVATE_OFF")}
     proc = subprocess.Popen([sys.executable, "-c", "from pairforge.cli import app; app()",
                              "serve", str(tmp / "serve.json")],
                             env={**env, "PYTHONUNBUFFERED": "1"}, stdout=log,
