@@ -20,6 +20,10 @@ deadline is near; a part that fails records its error and the run goes on):
   ``num_gpus`` of 1, 0.5 and 0.25 for CLIP's pool, with ``1 / num_gpus`` actors sharing
   the GPU; the classifier's pool (a linear head over CLIP's embedding) runs on CPU.
   images/s is ok rows over the run's wall time (Ray's start excluded, model loading in).
+- chain_decode_in_actor, chain_decode_on_gpu: the chain at ``num_gpus`` 1 with
+  ``process.decode.where: actor`` (CLIP's actors decode in a thread beside their
+  forwards), and with ``device: cuda`` too (JPEGs decoded and resized on CLIP's GPU by
+  nvJPEG; GPU only), against the first chain's decoding task.
 - vlm: the recaption step (transformers backend) with SmolVLM-256M's architecture,
   ``constrained_decoding`` on and off, and its bare ``generate`` loop; captions/s.
 - vq: the tokenize step with Chameleon's VQ at 256 px, and its bare loop; images/s.
@@ -209,7 +213,7 @@ def clip_head(folder: Path, model: str) -> str:
 
 
 def chain_config(out: Path, sizes: dict[str, Any], device: str, gpus: float,
-                 head: str) -> Any:
+                 head: str, decode: dict[str, str] | None = None) -> Any:
     from stage3 import config as stage3_config
 
     from pairforge.config import parse_config
@@ -223,11 +227,12 @@ def chain_config(out: Path, sizes: dict[str, Any], device: str, gpus: float,
     values["ray"] = {"object_store_memory": 4 * 1024**3} if device == "cuda" else {
         "num_cpus": 6}
     values["process"] = {"basic": {"min_image_side": 16}, "clip": clip, "classifiers": [
-        {"name": "aesthetic", "backend": "clip-head", "path": head}]}
+        {"name": "aesthetic", "backend": "clip-head", "path": head}], "decode": decode or {}}
     return parse_config(values)
 
 
-def chain(sizes: dict[str, Any], device: str, work: Path, gpus: float) -> dict[str, Any]:
+def chain(sizes: dict[str, Any], device: str, work: Path, gpus: float,
+          decode: dict[str, str] | None = None) -> dict[str, Any]:
     from stage3 import write_raw
 
     from pairforge.pipeline.entry import RunOptions
@@ -239,13 +244,14 @@ def chain(sizes: dict[str, Any], device: str, work: Path, gpus: float) -> dict[s
     for path in out.iterdir():  # the stage redoes every shard
         if path.name != "raw":
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-    cfg = chain_config(out, sizes, device, gpus, clip_head(work, sizes["clip"]))
+    cfg = chain_config(out, sizes, device, gpus, clip_head(work, sizes["clip"]), decode)
     start_ray(cfg.ray)  # before the clock: a build starts it once
     start = time.perf_counter()
     summary = run_process(cfg, RunOptions(show_progress=False))
     seconds = time.perf_counter() - start
     ok = summary["status"].get("ok", 0)
     return {"num_gpus": gpus, "clip_actors": cfg.process.clip.pool_size,
+            "decode": cfg.process.decode.model_dump(),
             "rows": sizes["chain_rows"], "rows_ok": ok, "seconds": round(seconds, 1),
             "images_per_s": round(ok / seconds, 1), **steady_rate(out, sizes["chain_rows"])}
 
@@ -366,9 +372,16 @@ def parts(sizes: dict[str, Any], device: str, work: Path) -> list[tuple[str, Cal
     slow = 1.0 if device == "cuda" else 0.2
     chains = [(f"chain_num_gpus_{g}", lambda g=g: chain(sizes, device, work, g), 70 * slow)
               for g in ((1.0, 0.5, 0.25) if device == "cuda" else (1.0,))]
+    # where the chain decodes (process.decode): the first model step's actors, in a
+    # thread beside the forwards; on a GPU also JPEGs by nvJPEG on CLIP's device
+    decodes = [("chain_decode_in_actor", {"where": "actor"})] + (
+        [("chain_decode_on_gpu", {"where": "actor", "device": "cuda"})]
+        if device == "cuda" else [])
+    decode_chains = [(name, lambda d=d: chain(sizes, device, work, 1.0, d), 70 * slow)
+                     for name, d in decodes]
     return [("clip_ceiling", lambda: clip_ceiling(sizes, device), 20 * slow),
             ("clip_step", lambda: clip_step_vs_bare(sizes, device, work), 40 * slow),
-            chains[0],
+            chains[0], *decode_chains,
             ("vlm", lambda: vlm(sizes, device, work), 60 * slow),
             ("vq", lambda: vq(sizes, device, work), 30 * slow), *chains[1:]]
 
