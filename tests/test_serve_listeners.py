@@ -165,7 +165,8 @@ def test_a_local_ray_listens_on_loopback_only() -> None:
     found, node = _local_ray_listeners({"PAIRFORGE_RAY_PRIVATE_OFF": ""})
     names = {name for name, _, _ in found}
     assert node == "127.0.0.1"
-    assert {"gcs_server", "raylet", "python"} <= names, found
+    assert {"gcs_server", "raylet"} <= names, found
+    assert any(name.startswith("python") for name in names), found  # python3 in a venv
     assert len(found) >= 6, found  # GCS, raylet x2, driver, worker, agents
     assert beyond_loopback(found) == []
     found, node = _local_ray_listeners({"PAIRFORGE_RAY_PRIVATE_OFF": "loopback"})
