@@ -1,7 +1,8 @@
 """Decoding stage 3's JPEGs on a model's GPU (``process.decode.device: cuda``, issue 48).
 
 The first model step's actors (``process.decode.where: actor``) hand a batch's JPEGs to
-torchvision's nvJPEG decoder on their own device in one call, prepare each view there
+torchvision's nvJPEG decoder on their own device, in calls of at most ``MAX_RAW_PIXELS``
+pixels in all (from the headers, before any decoding), prepare each view there
 (``on_tensor`` of a view's ``prepare``: torch's antialiased bicubic resize and the crop)
 and copy the small pictures back to the host, so the CPUs do no decoding and no resizing
 of full images. What the device cannot take goes to Pillow, row by row, as on the CPU
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import io
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,21 +42,45 @@ def on_device(device: str) -> Pictures:
 def device_pictures(data: pa.ChunkedArray, rows: np.ndarray, views: tuple[ImageView, ...],
                     device: str) -> dict[int, list[np.ndarray]]:
     """``{row: its pictures in views}`` for the JPEGs among ``rows`` of ``data`` that
-    ``device`` decodes; the rows it leaves out are Pillow's."""
+    ``device`` decodes; the rows it leaves out are Pillow's. The JPEGs are decoded in
+    calls of at most ``MAX_RAW_PIXELS`` pixels in all (their headers say, before any
+    decoding), so a batch of large images never holds more than one image's cap at once."""
+    found: dict[int, list[np.ndarray]] = {}
+    for group in _calls(data, rows):
+        found.update(_decode_call(group, views, device))
+    return found
+
+
+def _calls(data: pa.ChunkedArray, rows: np.ndarray) -> Iterator[dict[int, bytes]]:
+    """The JPEGs within the cap among ``rows``, as groups of at most MAX_RAW_PIXELS."""
+    group: dict[int, bytes] = {}
+    pixels = 0
+    for i in rows:
+        encoded = data[int(i)].as_py()
+        size = _header_pixels(encoded) if encoded[:3] == JPEG_MAGIC else None
+        if size is None or size > MAX_RAW_PIXELS:
+            continue  # Pillow's: it decodes it or ends the row with its status
+        if group and pixels + size > MAX_RAW_PIXELS:
+            yield group
+            group, pixels = {}, 0
+        group[int(i)] = encoded
+        pixels += size
+    if group:
+        yield group
+
+
+def _decode_call(group: dict[int, bytes], views: tuple[ImageView, ...],
+                 device: str) -> dict[int, list[np.ndarray]]:
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    encoded = {int(i): data[int(i)].as_py() for i in rows}
-    taken = [i for i, b in encoded.items() if b[:3] == JPEG_MAGIC and _within_cap(b)]
-    if not taken:
-        return {}
-    tensors = [torch.frombuffer(bytearray(encoded[i]), dtype=torch.uint8) for i in taken]
+    tensors = {i: torch.frombuffer(bytearray(b), dtype=torch.uint8) for i, b in group.items()}
     try:
-        decoded = dict(zip(taken, decode_jpeg(tensors, mode=ImageReadMode.RGB, device=device),
-                           strict=True))
+        decoded = dict(zip(tensors, decode_jpeg(list(tensors.values()), mode=ImageReadMode.RGB,
+                                                device=device), strict=True))
     except RuntimeError:  # one JPEG it refuses (damaged, CMYK) fails the call: row by row
         decoded = {}
-        for i, tensor in zip(taken, tensors, strict=True):
+        for i, tensor in tensors.items():
             try:
                 decoded[i] = decode_jpeg(tensor, mode=ImageReadMode.RGB, device=device)
             except RuntimeError:
@@ -64,12 +90,12 @@ def device_pictures(data: pa.ChunkedArray, rows: np.ndarray, views: tuple[ImageV
             for i, image in decoded.items()}
 
 
-def _within_cap(data: bytes) -> bool:
+def _header_pixels(data: bytes) -> int | None:
     try:
         width, height = Image.open(io.BytesIO(data)).size  # the header only
     except (OSError, ValueError):
-        return False
-    return width * height <= MAX_RAW_PIXELS
+        return None
+    return width * height
 
 
 def _prepared(view: ImageView, image: torch.Tensor) -> torch.Tensor | np.ndarray:

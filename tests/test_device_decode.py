@@ -96,3 +96,21 @@ def test_cuda_is_checked_at_start_and_fingerprinted():
     plain = parse_config({"input": {"path": "x"}, "process": {"decode": {"where": "actor"}}})
     settings = stage_settings(plain, "process")  # where moves work only; cpu is as before
     assert not [key for key in settings if key.startswith("process.decode")]
+
+
+def test_the_device_decodes_in_calls_bounded_by_the_headers_pixels(monkeypatch, views):
+    """A batch of large JPEGs is not decoded on the device at once: calls of at most
+    MAX_RAW_PIXELS pixels in all, read from the headers before any decoding; an image past
+    the cap alone is left to Pillow (which ends it decode_error)."""
+    from pairforge import device_decode
+
+    monkeypatch.setattr(device_decode, "MAX_RAW_PIXELS", 70_000)  # two 200x150 JPEGs
+    data = [_encoded("JPEG", seed) for seed in range(5)] + [_encoded("JPEG", 9, (300, 300))]
+    rows = _rows(data)
+    groups = list(device_decode._calls(rows["image"], np.arange(len(data))))
+    assert [sorted(g) for g in groups] == [[0, 1], [2, 3], [4]]  # 90,000 px: row 5 left out
+    by_device = decode_views(rows, views, on_device("cpu"))
+    assert by_device["status"].to_pylist() == ["ok"] * 6  # Pillow's cap is images.py's
+    for view in views:
+        assert all(a.shape == b.shape for a, b in zip(
+            _arrays(decode_views(rows, views), view), _arrays(by_device, view), strict=True))

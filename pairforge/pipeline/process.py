@@ -96,9 +96,10 @@ def _cluster_gpus() -> float:
 def check_process_placement(cfg: PairforgeConfig) -> None:
     """Stage 3's pools against the cluster's GPUs, for ``build`` to ask before stage 1:
     an over-asking config stops before hours of downloading, not after them."""
-    check_decode_device(enabled_steps(cfg), cfg)
+    steps = enabled_steps(cfg)
+    check_decode_device(steps, cfg)
     init_ray(cfg.ray)
-    check_gpu_demand(enabled_steps(cfg), cfg, _cluster_gpus())
+    check_gpu_demand(steps, cfg, _cluster_gpus())
 
 
 def _step_line(step: type[Step], cfg: PairforgeConfig) -> str:
