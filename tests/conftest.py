@@ -65,11 +65,15 @@ def ray_local() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def ray_env(ray_local: None) -> dict[str, str]:
-    """The environment for a `pairforge` subprocess. It starts its own Ray: joining the
-    worker's ``ray_local`` (RAY_ADDRESS) hangs since a local Ray binds loopback only
-    (ray_private's ``loopback``): the joining driver looks for a raylet on the host's own
-    address, and the ``loopback`` use applies only to a local start."""
-    return dict(os.environ)
+    """The environment for a `pairforge` subprocess that joins this worker's Ray
+    (``ray_local``, through RAY_ADDRESS, which ``init_ray`` joins) instead of starting and
+    stopping one of its own: a local start costs seconds, many under load. For tests where
+    starting Ray is not what they check; a test of a user's fresh start runs without it.
+    The worker's Ray listens on loopback only, which ``init_ray`` joins as such
+    (ray_private's ``joining``)."""
+    import ray
+
+    return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
 
 
 def download_raw(root: Path, rows: list[tuple[str, str]], shard_size: int) -> Path:

@@ -7,6 +7,7 @@ switch it off with ``PAIRFORGE_RAY_PRIVATE_OFF=<use>``."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -191,3 +192,44 @@ def test_a_switched_off_cut_leaves_the_blocks_whole(monkeypatch, ray_local):
     monkeypatch.setenv(ray_private.OFF_ENV, "cut_blocks")
     ds = ray.data.from_items([{"x": i} for i in range(20)], override_num_blocks=1)
     assert ray_private.cut_into_blocks(ds, 6, num_cpus=0.25) is ds
+
+
+@pytest.mark.parametrize(("address", "loopback"), [
+    ("127.0.0.1:6379", True), ("localhost:6379", True), ("[::1]:6379", True),
+    ("127.0.0.2:6379", False),  # the loopback cluster's nodes bind their own address
+    ("10.0.0.1:6379", False), ("ray://127.0.0.1:10001", False)])
+def test_only_a_loopback_address_is_joined_on_loopback(address, loopback, monkeypatch):
+    from ray._private import ray_constants
+
+    monkeypatch.delenv(ray_private.OFF_ENV, raising=False)
+    assert ray_private.is_loopback_address(address) is loopback
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    with ray_private.joining(address):
+        assert ray_constants.ENABLE_RAY_CLUSTER is (before and not loopback)
+    assert ray_constants.ENABLE_RAY_CLUSTER is before
+
+
+_JOIN = """
+import sys, ray
+from pairforge.config import RayConfig
+from pairforge.pipeline.ray_runtime import init_ray
+init_ray(RayConfig(address=sys.argv[1]))
+print(ray.get(ray.remote(num_cpus=0)(ray.util.get_node_ip_address).remote()),
+      ray.get_runtime_context().gcs_address)
+"""
+
+
+def test_a_driver_joins_the_loopback_instance_pairforge_started(ray_local):
+    """A local instance listens on loopback only; a second driver given its address (a user
+    whose ``ray.address`` points at ``pairforge serve``'s Ray, or the suite's subprocesses)
+    joins it there. Before ``joining``, Ray turned 127.0.0.1 into the host's address and
+    the driver waited for a raylet that is not there, forever."""
+    import ray
+
+    gcs = ray.get_runtime_context().gcs_address
+    assert ray_private.is_loopback_address(gcs)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", _JOIN, gcs], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["127.0.0.1", gcs]

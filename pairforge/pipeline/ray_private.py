@@ -95,10 +95,7 @@ def lean_local_start() -> Iterator[None]:
     applied: list[tuple[Any, str, Any]] = []  # (owner, attribute, Ray's original)
     try:
         if applies("loopback"):
-            from ray._private import ray_constants
-            applied.append((ray_constants, "ENABLE_RAY_CLUSTER",
-                            ray_constants.ENABLE_RAY_CLUSTER))
-            ray_constants.ENABLE_RAY_CLUSTER = False
+            applied.append(_loopback_node())
         if applies("monitors"):
             from ray._private.parameter import RayParams
             applied.append((RayParams, "__init__", RayParams.__init__))
@@ -182,6 +179,46 @@ def wait_for_registration(gcs_address: str, node_id: str, patience_s: float = 5.
 # One server takes no address from the node: each Serve replica's inter-deployment gRPC
 # server binds "[::]:0" (``Replica._on_initialized``); callers reach it at the replica's
 # node address, so on a loopback node it binds that address instead (``replica_grpc``).
+
+
+def _loopback_node() -> tuple[Any, str, Any]:
+    """Make this process's node address loopback; returns what to restore."""
+    from ray._private import ray_constants
+
+    original = (ray_constants, "ENABLE_RAY_CLUSTER", ray_constants.ENABLE_RAY_CLUSTER)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    return original
+
+
+def is_loopback_address(address: str) -> bool:
+    """Whether a Ray address (``host:port``, or ``auto``) names this host's loopback
+    interface: the address a local instance started by pairforge publishes."""
+    from ray._common.network_utils import is_localhost, parse_address
+
+    if address == "auto":  # the instance this host started last, as Ray finds it
+        from ray._private import services
+
+        find = getattr(services, "find_bootstrap_address", None)
+        address = (find(None) if find else None) or ""
+    parsed = parse_address(address) if "://" not in address else None
+    return bool(parsed) and is_localhost(parsed[0])
+
+
+@contextmanager
+def joining(address: str) -> Iterator[None]:
+    """While a driver joins the Ray at ``address``: if that is a loopback-only instance
+    (``loopback``: e.g. one that ``pairforge serve`` or another pairforge process started),
+    the driver's node address is loopback too. Otherwise Ray turns 127.0.0.1 into the
+    host's own address, looks for the instance's raylet there, and waits forever. Any
+    other address (a cluster's head) is joined as Ray joins it."""
+    if not (applies("loopback") and is_loopback_address(address)):
+        yield
+        return
+    owner, attribute, original = _loopback_node()
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, original)
 
 
 def _loopback_problem() -> str | None:

@@ -18,7 +18,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from pairforge.config import ConfigError, RayConfig, ServeConfig
-from pairforge.pipeline.ray_private import environment, lean_local_start, worker_settings
+from pairforge.pipeline.ray_private import (
+    environment,
+    joining,
+    lean_local_start,
+    worker_settings,
+)
 
 # Ray prints banners, dashboard hints and per-worker log lines; the user sees our
 # progress display instead. Errors still surface as exceptions in the driver.
@@ -213,7 +218,8 @@ def init_ray(cfg: RayConfig) -> None:
                   configure_logging=True, runtime_env=cfg.runtime_env)
     with _stderr_silenced():
         if address:
-            ray.init(address=address, **common)
+            with joining(address):
+                ray.init(address=address, **common)
         else:
             cpus = cfg.num_cpus or os.cpu_count() or 1
             with lean_local_start(), environment({**worker_settings(cpus),
