@@ -303,6 +303,49 @@ def test_a_lease_thread_that_fails_leaves_the_per_task_rule_not_a_hang(server, c
     assert "per-task rule from now on" in caplog.text
 
 
+class CountingLink(LocalLink):
+    def __init__(self, limits: Limits) -> None:
+        super().__init__(limits, shards=1)
+        self.calls: list[int] = []  # hosts per call
+
+    def exchange_all(self, task, asks):  # noqa: ANN001, ANN201
+        self.calls.append(sum(len(batch) for batch in asks.values()))
+        return super().exchange_all(task, asks)
+
+
+def test_a_tasks_renewals_fall_together_into_one_call_per_half_lease():
+    """Eight hosts first used 0.15 s apart, then used without pause for 4 s (two lease
+    lives): after their first grants, renewals ride along with the first that is due, so
+    the task calls its coordinator about twice a lease, not once per host per half lease
+    (each host first used at its own moment made the thread call on nearly every tick:
+    ~4 % of stage 1's CPU, bench/download.py with 16 hosts)."""
+    from pairforge.download.host_coordinator import LEASE_S
+    from pairforge.download.host_leases import HostLeases
+
+    link = CountingLink(Limits(20.0, 1.0, 8, None, 10.0, 2))
+    changed = threading.Condition()
+    leases = HostLeases(link, changed, lambda *_: None, lambda _: None, lambda *_: None)
+    hosts = [f"h{i}" for i in range(8)]
+    try:
+        for i, host in enumerate(hosts):
+            with changed:
+                leases.current(host)
+            time.sleep(0.15 if i < len(hosts) - 1 else 0)
+        firsts = len(link.calls)
+        end = time.monotonic() + 2 * LEASE_S
+        while time.monotonic() < end:
+            with changed:
+                for host in hosts:
+                    leases.current(host)  # in use: kept and renewed
+            time.sleep(0.05)
+        renewals = link.calls[firsts:]
+    finally:
+        leases.close()
+    # apart: 8 hosts x 4 half-leases = 32 calls of one host; together: ~4 calls of 8
+    assert len(renewals) <= 8, link.calls
+    assert sum(renewals) >= 3 * len(hosts)  # every host was still renewed, each time
+
+
 def test_nodes_of_a_run_fetch_each_policy_file_once_through_the_coordinator(tmp_path, server):
     """Two gates with node caches of their own (two nodes) and one coordinator: robots.txt
     and tdmrep.json are requested once; the second node's gate fetched nothing."""

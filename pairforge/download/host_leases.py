@@ -33,6 +33,7 @@ CALL_TIMEOUT_S = 5.0
 TICK_S = 0.05  # how often the thread looks for leases to renew and reports to send
 STARVED_RETRY_S = 0.2  # a host granted nothing (rate or connections) asks again this soon
 DOWN_RETRY_S = 1.0
+RIDE_ALONG = 0.25  # of a lease: how early a renewal joins a call made anyway
 FALLBACK = object()  # ``current``: the per-task rule applies to this host now
 
 Grant = dict[str, Any]
@@ -244,7 +245,23 @@ class HostLeases:
                 self.changed.notify_all()
 
     def _due(self, now: float) -> dict[str, dict[str, Any]]:
-        """The asks to send now, by host; a released host's entry goes."""
+        """The asks to send now, by host; a released host's entry goes. A coordinator
+        that gets a call anyway also renews the task's other hosts whose renewal falls
+        within the next ``RIDE_ALONG`` of a lease: the hosts' renewals then fall together
+        into one call per coordinator per half lease, where apart (each host first used
+        at its own moment) they made a call on nearly every tick."""
+        asks = self._due_alone(now)
+        calling = {shard_of(host, self.link.shards) for host in asks}
+        soon = now + self.lease_s * RIDE_ALONG
+        for host, entry in self._entries.items():
+            if (host not in asks and entry.grant is not None and entry.renew_at <= soon
+                    and shard_of(host, self.link.shards) in calling):
+                asks[host] = entry.ask(host, False)
+                entry.failures, entry.success, entry.opened = 0, False, None
+                entry.asked_at = now
+        return asks
+
+    def _due_alone(self, now: float) -> dict[str, dict[str, Any]]:
         asks: dict[str, dict[str, Any]] = {}
         for host, entry in list(self._entries.items()):
             if self._down_until.get(shard_of(host, self.link.shards), 0.0) > now:
