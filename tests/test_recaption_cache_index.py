@@ -170,10 +170,85 @@ def test_an_interrupted_compaction_leaves_the_index_as_it_was(tmp_path) -> None:
     assert not (index / plan.work).exists() and not (index / plan.name).exists()
     logs.assert_same_answers(2)
     logs.write("c-0000.parquet", 30)
+    _lapse_pins(logs.folder)  # the readers above are done
+    third = compact(logs.folder, {}, 2)
+    kept = sorted(p.name for p in index.iterdir() if not p.name.startswith("pin-"))
+    assert kept == sorted([f"{marker['folder']}.json", marker["folder"],
+                           f"{third['folder']}.json", third["folder"]])
+
+
+def _lapse_pins(folder: OutputDir) -> None:
+    """Every pin as if its holder had stopped renewing it PIN_S ago."""
+    for name in folder.glob(f"{INDEX_FOLDER}/pin-*.json"):
+        entry = folder.read_json(INDEX_FOLDER, name)
+        folder.write_json({**entry, "until": 0.0}, INDEX_FOLDER, name)
+
+
+def _fold(plan: cache_index.Compaction) -> tuple[cache_index.Compaction, dict[str, int]]:
+    """A compaction's tasks in this process, up to its commit."""
+    names = [n for unit in plan.units for n in unit]
+    plan = cache_index.with_layout(plan, dict(zip(names, cache_index.count_rows(plan, names),
+                                                  strict=True)))
+    for unit in range(len(plan.units)):
+        cache_index.scatter(plan, unit)
+    return plan, {kind: sum(cache_index.merge(plan, kind, g) for g in
+                            cache_index.merge_groups(getattr(plan, f"{kind}_bits")))
+                  for kind in ("exact", "bands")} | {"vectors": cache_index.merge_vectors(plan)}
+
+
+def test_a_readers_generation_outlives_later_commits_while_pinned(tmp_path, caplog) -> None:
+    """A long build's actor keeps reading its generation however many builds sharing the
+    folder commit (its pin keeps it); once the pin has lapsed and a commit removed it,
+    the next lookup reads the newest generation instead of failing."""
+    logs = Logs(tmp_path / "cache", seed=3)
+    logs.write("a-0000.parquet", 40)
+    first = compact(logs.folder, {}, 2)
+    reader = IndexedCaptionCache(logs.folder, 2, max_bytes=1)  # reads a partition per use
+    whole_then = CaptionCache.load(logs.folder, 2)
+    for n in range(3):  # three later builds commit: generations 2-4
+        logs.write(f"b-{n:04d}.parquet", 20)
+        compact(logs.folder, {}, 2)
+    index = logs.root / INDEX_FOLDER
+    assert (index / first["folder"]).is_dir()
+    hashes = logs.hashes
+    assert reader.lookup_batch(hashes, [None] * len(hashes)) == {
+        i: hit for i, h in enumerate(hashes) if (hit := whole_then.lookup(h, None))}
+    _lapse_pins(logs.folder)
+    logs.write("c-0000.parquet", 20)
+    newest = compact(logs.folder, {}, 2)
+    assert not (index / first["folder"]).exists()
+    whole_now = CaptionCache.load(logs.folder, 2)
+    assert reader.lookup_batch(hashes, [None] * len(hashes)) == {
+        i: hit for i, h in enumerate(hashes) if (hit := whole_now.lookup(h, None))}
+    assert reader.marker["folder"] == newest["folder"]
+    assert f"generation {first['folder']} is gone" in caplog.text
+
+
+def test_two_compactions_from_one_generation_both_commit(tmp_path) -> None:
+    """Two builds compact one folder at once: neither's commit deletes the other's work
+    (its pins), both markers stand, and a reader of either answers as the whole log."""
+    logs = Logs(tmp_path / "cache", seed=4)
+    logs.write("a-0000.parquet", 30)
     compact(logs.folder, {}, 2)
-    kept = sorted(p.name for p in index.iterdir())
-    assert [k for k in kept if k.endswith(".json")] == ["gen-000002.json", "gen-000003.json"]
-    assert len(kept) == 4  # two generations: their markers and folders
+    logs.write("b-0000.parquet", 30)
+    slow = cache_index.plan_compaction(logs.folder, {}, 2)
+    cache_index.pin_compaction(slow)
+    slow, counts = _fold(slow)  # its tasks are done; its commit comes after the other's
+    fast = compact(logs.folder, {}, 2)
+    index = logs.root / INDEX_FOLDER
+    assert (index / slow.work).is_dir() and (index / slow.name).is_dir()
+    late = cache_index.commit(slow, counts)
+    assert fast["generation"] == late["generation"] == 2 and fast["folder"] != late["folder"]
+    markers = sorted(p.name for p in index.glob("gen-*.json"))
+    assert markers[-2:] == sorted([f"{fast['folder']}.json", f"{late['folder']}.json"])
+    assert not (index / slow.work).exists()
+    for marker in (fast, late):
+        reader = IndexedCaptionCache(logs.folder, 2)
+        reader.marker = marker
+        whole = CaptionCache.load(logs.folder, 2)
+        hashes = logs.hashes
+        assert reader.lookup_batch(hashes, [None] * len(hashes)) == {
+            i: hit for i, h in enumerate(hashes) if (hit := whole.lookup(h, None))}
 
 
 def test_an_actor_holds_a_bounded_number_of_partitions(tmp_path) -> None:

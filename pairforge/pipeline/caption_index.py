@@ -54,6 +54,25 @@ def compact_cache(folder: OutputDir, storage_options: dict[str, Any], phash_dist
     if plan is None:
         return None
     started = time.perf_counter()
+    cache_index.pin_compaction(plan)
+    try:
+        plan, totals = _fold(plan, retries)
+    except BaseException:
+        cache_index.unpin_compaction(plan)
+        raise
+    marker = cache_index.commit(plan, totals)
+    seconds = round(time.perf_counter() - started, 2)
+    parts = sum(len(unit) for unit in plan.units)
+    say(f"process: caption cache {folder.url}: generation {marker['generation']} "
+        f"({parts} new log parts, {plan.new_rows} rows) in {seconds} s")
+    return {"generation": marker["generation"], "log_parts": parts,
+            "rows": plan.new_rows, "index_rows": totals, "seconds": seconds}
+
+
+def _fold(plan: cache_index.Compaction, retries: int
+          ) -> tuple[cache_index.Compaction, dict[str, int]]:
+    """The compaction's tasks: count, scatter, merge; the plan with its layout, and the
+    index rows of each kind."""
     waves = Waves(retries)
     names = [name for unit in plan.units for name in unit]
     groups = [names[i:i + COUNT_GROUP] for i in range(0, len(names), COUNT_GROUP)]
@@ -66,9 +85,4 @@ def compact_cache(folder: OutputDir, storage_options: dict[str, Any], phash_dist
         (sent, kind, group) for group in cache_index.merge_groups(getattr(plan, f"{kind}_bits"))
     ], name=f"merge_{kind}")) for kind in ("exact", "bands")}
     totals["vectors"] = waves.run(cache_index.merge_vectors, [(sent,)])[0]
-    marker = cache_index.commit(plan, totals)
-    seconds = round(time.perf_counter() - started, 2)
-    say(f"process: caption cache {folder.url}: generation {marker['generation']} "
-        f"({len(names)} new log parts, {plan.new_rows} rows) in {seconds} s")
-    return {"generation": marker["generation"], "log_parts": len(names),
-            "rows": plan.new_rows, "index_rows": totals, "seconds": seconds}
+    return plan, totals

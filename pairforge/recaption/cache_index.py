@@ -26,14 +26,27 @@ over groups of log parts writing partitioned files (``dedup/shuffle.py``'s
 ``work-NNNNNN-TOKEN/``, merge tasks per group of partitions (the previous generation's
 partition plus the new rows), and the commit. A log part that changed or vanished, or
 another ``phash_distance``, rebuilds from every log part. A stopped compaction leaves a
-work folder and an unmarked generation folder; the next commit deletes them. Builds that
-share a cache folder should not compact it at the same moment: both commits are valid
-generations (the later marker wins), but one's cleanup may delete the other's work.
+work folder and an unmarked generation folder; a later commit deletes them once their pin
+has lapsed.
+
+**Pins.** A commit keeps the newest ``KEEP_GENERATIONS`` generations and whatever is
+*pinned*: ``index/pin-NAME-HOLDER.json`` says that NAME (a generation or work folder) is in
+use until a time. A recaption actor pins the generation it reads (``PIN_S``, renewed at
+half its life while it looks up), so a long build keeps its generation however many
+builds sharing the folder commit meanwhile; a compaction pins its work, its new
+generation and the generation it merges from (``COMPACTION_PIN_S``) until its commit, so
+two builds compacting one folder at once never delete each other's work. Markers are
+named by generation and token (``gen-NNNNNN-TOKEN.json``): two compactions planned from
+the same generation both commit, and the next one plans from the newest by name. A pin
+that lapses (its holder died) frees what it named at the next commit; a reader whose
+generation is gone after all reads the newest one (``cache_lookup.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -53,7 +66,9 @@ BAND_ROWS_PER_PART = 1 << 14
 VECTOR_CHUNK_ROWS = 1 << 12
 LOG_ROWS_PER_TASK = 1 << 18  # rows a scatter task reads (whole log parts)
 PARTS_PER_MERGE = 64  # partitions a merge task writes
-KEEP_GENERATIONS = 2  # the newest and the one before (actors of a running build read it)
+KEEP_GENERATIONS = 2  # the newest and the one before, besides what is pinned
+PIN_S = 1800.0  # a reader's pin of its generation; renewed at half its life
+COMPACTION_PIN_S = 6 * 3600.0  # a compaction's pins: it commits or fails within this
 
 ORDER = [("log", "ascending"), ("row", "ascending")]
 _ENTRY = [pa.field("recaption", pa.string()), pa.field("flags", pa.list_(pa.string())),
@@ -195,20 +210,72 @@ def merge_groups(bits: int) -> list[list[int]]:
 
 
 def commit(plan: Compaction, counts: dict[str, int]) -> dict[str, Any]:
-    """Write the generation's marker (last, atomically), then delete what no kept
-    generation needs: older generations, stopped compactions' folders, this work folder."""
+    """Write the generation's marker (last, atomically), then delete what neither a kept
+    generation nor a pin needs: older generations, stopped compactions' folders, this
+    compaction's work folder."""
     folder = plan.folder()
     marker = {"generation": plan.generation, "folder": plan.name, "logs": plan.logs,
               "phash_distance": plan.phash_distance, "exact_bits": plan.exact_bits,
               "bands_bits": plan.bands_bits, "counts": counts}
-    folder.write_json(marker, INDEX_FOLDER, f"gen-{plan.generation:06d}.json")
+    folder.write_json(marker, INDEX_FOLDER, f"{plan.name}.json")
+    unpin_compaction(plan)
     kept = _markers(folder)[:KEEP_GENERATIONS]
     keep = {folder.read_json(INDEX_FOLDER, m)["folder"] for m in kept} | set(kept)
+    keep |= pinned(folder)
     for name in folder.glob(f"{INDEX_FOLDER}/*"):
+        if name.startswith("pin-"):
+            continue
         number = int(name.split("-")[1].split(".")[0]) if name.count("-") else 0
         if name not in keep and number <= plan.generation:
             folder.fs.rm(folder.path(INDEX_FOLDER, name), recursive=True)
     return marker
+
+
+# ------------------------------------------------------------------------------ pins
+
+
+def pin(folder: OutputDir, name: str, holder: str, seconds: float = PIN_S) -> float:
+    """Keep ``name`` (a folder under index/) from cleanup for ``seconds``; returns until
+    when. Wall-clock time: the holders are on other machines than the committer."""
+    until = time.time() + seconds
+    folder.fs.makedirs(folder.path(INDEX_FOLDER), exist_ok=True)
+    folder.write_json({"name": name, "until": until}, INDEX_FOLDER, f"pin-{name}-{holder}.json")
+    return until
+
+
+def unpin(folder: OutputDir, name: str, holder: str) -> None:
+    with contextlib.suppress(FileNotFoundError):  # lapsed and removed by a commit
+        folder.fs.rm(folder.path(INDEX_FOLDER, f"pin-{name}-{holder}.json"))
+
+
+def pinned(folder: OutputDir) -> set[str]:
+    """The names live pins hold; lapsed pins are removed."""
+    now, held = time.time(), set()
+    for name in folder.glob(f"{INDEX_FOLDER}/pin-*.json"):
+        try:
+            entry = folder.read_json(INDEX_FOLDER, name)
+        except FileNotFoundError:
+            continue  # unpinned meanwhile
+        if entry["until"] > now:
+            held.add(entry["name"])
+        else:
+            unpin(folder, entry["name"], name[len(f"pin-{entry['name']}-"):-len(".json")])
+    return held
+
+
+def _compaction_names(plan: Compaction) -> list[str]:
+    return [plan.work, plan.name] + ([plan.previous["folder"]] if plan.previous else [])
+
+
+def pin_compaction(plan: Compaction) -> None:
+    """What a compaction writes and the generation it merges from, until it commits."""
+    for name in _compaction_names(plan):
+        pin(plan.folder(), name, f"compaction{plan.token}", COMPACTION_PIN_S)
+
+
+def unpin_compaction(plan: Compaction) -> None:
+    for name in _compaction_names(plan):
+        unpin(plan.folder(), name, f"compaction{plan.token}")
 
 
 # ----------------------------------------------------------------------------- rows
@@ -374,11 +441,16 @@ def compact(folder: OutputDir, storage_options: dict[str, Any],
     plan = plan_compaction(folder, storage_options, phash_distance)
     if plan is None:
         return None
-    names = [n for unit in plan.units for n in unit]
-    plan = with_layout(plan, dict(zip(names, count_rows(plan, names), strict=True)))
-    for unit in range(len(plan.units)):
-        scatter(plan, unit)
-    counts = {"exact": sum(merge(plan, "exact", g) for g in merge_groups(plan.exact_bits)),
-              "bands": sum(merge(plan, "bands", g) for g in merge_groups(plan.bands_bits)),
-              "vectors": merge_vectors(plan)}
+    pin_compaction(plan)
+    try:
+        names = [n for unit in plan.units for n in unit]
+        plan = with_layout(plan, dict(zip(names, count_rows(plan, names), strict=True)))
+        for unit in range(len(plan.units)):
+            scatter(plan, unit)
+        counts = {"exact": sum(merge(plan, "exact", g) for g in merge_groups(plan.exact_bits)),
+                  "bands": sum(merge(plan, "bands", g) for g in merge_groups(plan.bands_bits)),
+                  "vectors": merge_vectors(plan)}
+    except BaseException:
+        unpin_compaction(plan)
+        raise
     return commit(plan, counts)

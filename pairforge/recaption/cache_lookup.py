@@ -24,6 +24,8 @@ captions are read for the rows that match.
 from __future__ import annotations
 
 import logging
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ from pairforge.recaption.cache_index import (
     BAND_SCHEMA,
     EXACT_SCHEMA,
     ORDER,
+    PIN_S,
     VECTOR_SCHEMA,
     band_prefix,
     band_values,
@@ -48,6 +51,7 @@ from pairforge.recaption.cache_index import (
     list_logs,
     newest_marker,
     part_path,
+    pin,
     read_log,
     vectors_path,
 )
@@ -163,7 +167,35 @@ class IndexedCaptionCache:
         there = folder is not None and folder.exists()
         self.marker = newest_marker(folder, phash_distance) if there else None
         self.partitions = PartitionLRU(max_bytes)
+        self.holder = uuid.uuid4().hex[:12]
+        self.pinned_until = 0.0
+        self._renew_pin()
         self.tail = self._read_tail() if there else None
+
+    def _renew_pin(self) -> None:
+        """Keep this generation from other builds' cleanup while lookups go on (the pin
+        lapses PIN_S after the last renewal: an actor that stopped frees it)."""
+        if self.marker is not None and time.time() > self.pinned_until - PIN_S / 2:
+            self.pinned_until = pin(self.folder, self.marker["folder"], self.holder)
+
+    def _answered(self, lookup: Callable[[], dict[int, Hit]]) -> dict[int, Hit]:
+        """``lookup()``, after renewing the pin; if the generation is gone all the same
+        (its pin lapsed while this actor was idle, or a cleanup ran between reading the
+        marker and the first pin), once more on the newest generation."""
+        self._renew_pin()
+        try:
+            return lookup()
+        except FileNotFoundError:
+            if self.marker is None:
+                raise
+            gone = self.marker["folder"]
+            self.marker = newest_marker(self.folder, self.phash_distance)
+            self.partitions = PartitionLRU(self.partitions.max_bytes)
+            self.pinned_until = 0.0
+            self._renew_pin()
+            log.warning("caption cache %s: index generation %s is gone; reading %s",
+                        self.folder.url, gone, self.marker and self.marker["folder"])
+            return lookup()
 
     def _read_tail(self) -> tuple[ExactRows, BandRows, VectorRows] | None:
         held = self.marker["logs"] if self.marker else {}
@@ -209,6 +241,9 @@ class IndexedCaptionCache:
 
     def lookup_batch(self, hashes: list[str], phashes: list[int | None]) -> dict[int, Hit]:
         """The exact and perceptual-hash hits of a batch, by row."""
+        return self._answered(lambda: self._lookup_batch(hashes, phashes))
+
+    def _lookup_batch(self, hashes: list[str], phashes: list[int | None]) -> dict[int, Hit]:
         found = {i: (entry, "cache") for i, (_, entry) in self._exact(hashes).items()}
         if self.phash_distance:
             near = [(i, p) for i, p in enumerate(phashes) if i not in found and p is not None]
@@ -280,6 +315,9 @@ class IndexedCaptionCache:
         """The embedding tier's hits of the rows whose vectors are given."""
         if not vectors or not self.wants_embeddings:
             return {}
+        return self._answered(lambda: self._lookup_embeddings(vectors))
+
+    def _lookup_embeddings(self, vectors: dict[int, Any]) -> dict[int, Hit]:
         rows = list(vectors)
         queries = np.stack([np.asarray(vectors[i], dtype=np.float32) for i in rows])
         best: list[tuple[float, Order, CachedCaption] | None] = [None] * len(rows)
