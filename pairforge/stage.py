@@ -161,8 +161,9 @@ class Step:
 
     @classmethod
     @contextlib.contextmanager
-    def build_scope(cls, cfg: StepConfig) -> Iterator[None]:
-        """Around the whole stage-3 run, on the driver (e.g. a registry the actors share)."""
+    def build_scope(cls, cfg: StepConfig, rows: int) -> Iterator[None]:
+        """Around the whole stage-3 run, on the driver (e.g. a registry the actors share);
+        ``rows``: the rows the run processes, what such state is sized by."""
         yield
 
     @classmethod

@@ -304,8 +304,9 @@ def test_partitioned_claims_give_one_claimant_per_image(ray_local) -> None:
 
     actors = start_registry("pairforge-test-claims", parts=4)
     try:
-        one = find_registry("pairforge-test-claims", parts=4)
-        two = find_registry("pairforge-test-claims", parts=4)
+        one = find_registry("pairforge-test-claims")
+        two = find_registry("pairforge-test-claims")
+        assert len(one.actors) == len(two.actors) == 4
         hashes = [f"{i:064x}" for i in range(40)]
         first = one.claim([(h, f"one-{i}") for i, h in enumerate(hashes)])
         second = two.claim([(h, f"two-{i}") for i, h in enumerate(hashes[::-1])])
@@ -321,4 +322,11 @@ def test_partitioned_claims_give_one_claimant_per_image(ray_local) -> None:
         assert not one.lost and not two.lost
     finally:
         stop_registry(actors)
-    assert find_registry("pairforge-test-claims", parts=4) is None
+    assert find_registry("pairforge-test-claims") is None
+
+
+def test_a_registry_has_one_actor_per_rows_per_part() -> None:
+    from pairforge.recaption.claims import ROWS_PER_PART, registry_parts
+
+    assert [registry_parts(n) for n in (0, 1, ROWS_PER_PART, ROWS_PER_PART + 1)] == [1, 1, 1, 2]
+    assert registry_parts(10**9) == 239  # no actor holds more than its share

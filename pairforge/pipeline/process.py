@@ -144,7 +144,7 @@ def _process(cfg: PairforgeConfig, show_progress: bool, log: str) -> dict[str, A
         compact_caption_caches(step_config(cfg), steps, cfg.ray.max_task_retries)
     with contextlib.ExitStack() as scope:
         for step in steps:
-            scope.enter_context(step.build_scope(step_config(cfg)))
+            scope.enter_context(step.build_scope(step_config(cfg), rows))
         with display:
             coordinator_cpu_s = stream_shards(cfg, out, plans, steps, write_shard_task,
                                               stats_extra, display, _writer_drops(cfg, steps))

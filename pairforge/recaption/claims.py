@@ -6,10 +6,12 @@ caption instead of generating their own. An actor always generates its own claim
 it waits on others', so waits always end; a wait that times out (the claimant died)
 generates locally, which costs model time but never loses a row.
 
-The registry is ``REGISTRY_PARTS`` actors, each holding the pixel hashes (and published
-captions) of one partition (``string_hash`` of the pixel hash, ``dedup/shuffle.py``), named
-``NAME-PP``: every hash has one actor, so a claim is still one per image per build, and no
-actor holds the whole build.
+The registry is one actor per ``ROWS_PER_PART`` rows of the run (``registry_parts``), each
+holding the pixel hashes (and published captions) of one partition (``string_hash`` of the
+pixel hash, ``dedup/shuffle.py``), named ``NAME-PP``: every hash has one actor, so a claim
+is still one per image per build, and no actor holds more than its share of a build
+however large. A small build (the demo, a test) has one actor, not a process per
+partition it does not need (each ~130 MiB and a second of CPU to start).
 """
 
 from __future__ import annotations
@@ -24,13 +26,19 @@ import pyarrow as pa
 from pairforge.dedup.shuffle import part_of, string_hash
 
 REGISTRY_PREFIX = "pairforge-recaption-claims-"
-REGISTRY_PARTS = 16
+ROWS_PER_PART = 1 << 22  # ~0.5-1 GiB of hashes, keys and captions in one actor
+
+
+def registry_parts(rows: int) -> int:
+    """How many actors hold the claims of a run of ``rows`` rows."""
+    return max(1, -(-rows // ROWS_PER_PART))
 
 
 class ClaimRegistry:
     """An async Ray actor: claim, publish and wait by pixel hash (one partition's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parts: int) -> None:
+        self.parts = parts  # of the whole registry: how a finder knows its actors
         self.claims: dict[str, str] = {}
         self.captions: dict[str, Any] = {}
         self.events: dict[str, asyncio.Event] = {}
@@ -51,8 +59,11 @@ class ClaimRegistry:
             await asyncio.wait_for(asyncio.gather(*waits), timeout_s)
         return {h: self.captions[h] for h in hashes if h in self.captions}
 
+    async def size(self) -> int:
+        return self.parts
 
-def registry_part(pixel_hashes: list[str], parts: int = REGISTRY_PARTS) -> np.ndarray:
+
+def registry_part(pixel_hashes: list[str], parts: int) -> np.ndarray:
     """The registry actor (partition) of each pixel hash: the same in every process."""
     return part_of(string_hash(pa.array(pixel_hashes, pa.string())), parts)
 
@@ -111,7 +122,7 @@ class PartitionedClaims:
         return None if answers is None else {h: c for a in answers for h, c in a.items()}
 
 
-def start_registry(name: str, parts: int = REGISTRY_PARTS) -> list[Any]:
+def start_registry(name: str, parts: int) -> list[Any]:
     """Create the registry's named actors next to the driver (they outlive any worker
     node)."""
     import ray
@@ -120,7 +131,7 @@ def start_registry(name: str, parts: int = REGISTRY_PARTS) -> list[Any]:
     node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     return [ray.remote(ClaimRegistry).options(
         name=part_name(name, part), get_if_exists=True, num_cpus=0, max_concurrency=1000,
-        scheduling_strategy=node).remote() for part in range(parts)]
+        scheduling_strategy=node).remote(parts) for part in range(parts)]
 
 
 def stop_registry(actors: list[Any]) -> None:
@@ -130,11 +141,14 @@ def stop_registry(actors: list[Any]) -> None:
         ray.kill(actor)
 
 
-def find_registry(name: str, parts: int = REGISTRY_PARTS) -> PartitionedClaims | None:
+def find_registry(name: str) -> PartitionedClaims | None:
     """The registry's actors, or None where it was not started (or lost one)."""
     import ray
 
     try:
-        return PartitionedClaims([ray.get_actor(part_name(name, p)) for p in range(parts)])
-    except ValueError:
+        first = ray.get_actor(part_name(name, 0))
+        parts = ray.get(first.size.remote(), timeout=30)
+        return PartitionedClaims([first] + [ray.get_actor(part_name(name, p))
+                                            for p in range(1, parts)])
+    except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return None

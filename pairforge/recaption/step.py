@@ -37,6 +37,7 @@ from pairforge.recaption.checked import CheckedCaptioner, failed
 from pairforge.recaption.claims import (
     REGISTRY_PREFIX,
     find_registry,
+    registry_parts,
     start_registry,
     stop_registry,
 )
@@ -222,15 +223,15 @@ class RecaptionStep(ModelStep):
 
     @classmethod
     @contextlib.contextmanager
-    def build_scope(cls, cfg: StepConfig) -> Iterator[None]:
-        """The build's claim registry lives as long as the stage-3 run. With dedup on,
-        stage 2 has dropped every pixel-identical copy, so no two rows can claim one image:
-        no registry is started (it holds every pixel hash and caption of the build in one
-        actor), and the actors find none and caption their own rows."""
+    def build_scope(cls, cfg: StepConfig, rows: int) -> Iterator[None]:
+        """The build's claim registry lives as long as the stage-3 run, one actor per
+        ``claims.ROWS_PER_PART`` of its rows. With dedup on, stage 2 has dropped every
+        pixel-identical copy, so no two rows can claim one image: no registry is started,
+        and the actors find none and caption their own rows."""
         if cfg.exact_dedup:
             yield
             return
-        registry = start_registry(registry_name(cfg, cls.column))
+        registry = start_registry(registry_name(cfg, cls.column), registry_parts(rows))
         try:
             yield
         finally:
