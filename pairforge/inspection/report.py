@@ -226,6 +226,7 @@ def _recaption(rows: pa.Table, manifest: dict[str, Any]) -> str:
                               "training captions are the original alt-text"))
     counts = [["rows recaptioned", stats["rows"]], ["abstained (no caption trusted)",
                                                     stats["abstained"]],
+              ["failed (no answer from the captioner)", stats.get("failed", 0)],
               ["rows with attributes removed", stats["rows_with_attributes_removed"]],
               ["regenerated", stats["regenerated"]]]
     counts += [[f"origin: {k}", v] for k, v in stats.get("origin", {}).items()]

@@ -93,7 +93,8 @@ def _models(manifest: dict[str, Any]) -> Text:
         origin = ", ".join(f"{k} {v:,}" for k, v in recaption["origin"].items())
         source = ", ".join(f"{k} {v:,}" for k, v in recaption["caption_source"].items())
         lines.append(f"recaption: {manifest['models'].get('recaption')}; {recaption['rows']:,} "
-                     f"rows ({origin}); abstained {recaption['abstained']:,}, attributes "
+                     f"rows ({origin}); abstained {recaption['abstained']:,}, failed "
+                     f"{recaption.get('failed', 0):,}, attributes "
                      f"removed in {recaption['rows_with_attributes_removed']:,}, regenerated "
                      f"{recaption['regenerated']:,}; training caption: {source}")
     if manifest.get("steps"):  # the cost of the build per image and projected (cost.py)

@@ -130,7 +130,10 @@ def recaption_stats(rows: list[dict[str, Any]], column: str = "recaption") -> di
 
     return {"rows": len(done),
             "origin": dict(sorted(Counter(r[f"{column}_origin"] for r in done).items())),
-            "abstained": sum(r[column] is None for r in done),
+            # no caption trusted (the checks), apart from no answer at all (the backend)
+            "abstained": sum(r[column] is None and r[f"{column}_origin"] != "failed"
+                             for r in done),
+            "failed": sum(r[f"{column}_origin"] == "failed" for r in done),
             "rows_with_attributes_removed": rows_flagged("attribute:"),
             "regenerated": rows_flagged("regenerated:"),
             "flags": dict(sorted(flags.items())),
