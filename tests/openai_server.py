@@ -22,6 +22,7 @@ import json
 import socket
 import threading
 from collections import Counter
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -30,12 +31,21 @@ from PIL import Image
 from pairforge.recaption.backends import Captioner
 
 
+def _image(body: dict[str, Any]) -> Image.Image:
+    """The image a chat completion request carries (a data URL)."""
+    content = body["messages"][-1]["content"]
+    url = next(c["image_url"]["url"] for c in content if c["type"] == "image_url")
+    return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+
+
 class OpenAIServer:
     def __init__(self, models: list[str], captioner: Captioner | None = None, *,
                  status: int = 200, fail_first: int = 0, text: str | None = None,
                  answer_status: int | None = None, garbage: bool = False,
-                 hold_until: int | None = None, hold_s: float = 10.0) -> None:
+                 hold_until: int | None = None, hold_s: float = 10.0,
+                 refuse: Callable[[Image.Image], bool] | None = None) -> None:
         self.models, self.captioner, self.text = models, captioner, text
+        self.refuse = refuse  # images answered 500 (a server failing some requests)
         self.status, self.fail_first = status, fail_first
         self.answer_status, self.garbage = answer_status, garbage
         self.hold_until, self.hold_s = hold_until, hold_s
@@ -85,6 +95,8 @@ class OpenAIServer:
                 return self.answer_status, {"error": {"message": "server error"}}
             if self.garbage:  # a proxy's error page with a 200
                 return 200, b"<html><body>upstream hiccup</body></html>"
+            if self.refuse is not None and self.refuse(_image(body)):
+                return 500, {"error": {"message": "server error"}}
             return self._generate(body)
         finally:
             with self._lock:
@@ -99,9 +111,8 @@ class OpenAIServer:
         if self.captioner is None or body.get("model") not in self.models:
             return 404, {"error": {"message": f"model {body.get('model')!r} not served"}}
         content = body["messages"][-1]["content"]
-        url = next(c["image_url"]["url"] for c in content if c["type"] == "image_url")
         prompt = next(c["text"] for c in content if c["type"] == "text")
-        image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+        image = _image(body)
         with self._model_lock:
             self.prompts[prompt] += 1
             self.logit_biases.append(body.get("logit_bias"))

@@ -243,7 +243,7 @@ class CaptionIngress:
             data = await self._fetch(upload)
             upload = await loop.run_in_executor(self.decode_pool, decode_upload, data,
                                                 self.serve, self.image)
-        return await self.batch(upload)
+        return answered(await self.batch(upload))
 
     def _upload(self, content_type: str | None, body: bytes) -> Upload | str:
         """The body parsed and its image decoded, or the URL a JSON body names."""
@@ -309,6 +309,16 @@ class CaptionIngress:
                                {"Retry-After": str(RETRY_AFTER_S)})
         self.metrics.cache_entries.set(reply.cache_entries)
         return reply.answers
+
+
+def answered(answer: Answer) -> Answer:
+    """The answer, or 503 when the captioning server gave none for this upload: only this
+    request fails, not the others its batch was merged with."""
+    failure = answer.failure()
+    if failure is not None:
+        raise RequestError(503, "backend_unavailable", failure,
+                           {"Retry-After": str(RETRY_AFTER_S)})
+    return answer
 
 
 def model_options(s: ServeConfig, rc: RecaptionConfig) -> dict[str, Any]:

@@ -18,20 +18,23 @@ import numpy as np
 from pairforge.config import ClipConfig, RecaptionConfig, ServeCacheConfig
 from pairforge.images import model_device
 from pairforge.recaption.cache import CachedCaption
-from pairforge.recaption.checked import FAILED, CheckedCaptioner
+from pairforge.recaption.checked import FAILED, CheckedCaptioner, failed
 from pairforge.serve.cache import MISS, ServeCache
 from pairforge.serve.inputs import Upload
-
-
-class BackendUnavailable(RuntimeError):
-    """The captioning server gave no answer after its retries (the batch client turns that
-    into a row's ``failed:`` flag; a service answers 503 instead, and caches nothing)."""
 
 
 @dataclass(frozen=True)
 class Answer:
     entry: CachedCaption
     cache: str  # exact | perceptual | embedding | miss
+
+    def failure(self) -> str | None:
+        """Why the captioning server gave no answer for this upload after its retries
+        (the batch step's ``failed:`` flags), or None. The service answers that request
+        503, caches nothing for it, and answers the batch's other uploads as usual."""
+        reasons = [f for f in self.entry.flags if f.startswith(FAILED)]
+        return f"the captioning server gave no answer ({', '.join(reasons)})" if reasons \
+            else None
 
 
 class ReplicaCaptioner:
@@ -96,9 +99,7 @@ class ReplicaCaptioner:
         given = known if self.embed_source == "clip" and all(
             v is not None for v in known) else None
         made = dict(zip(indices, self.checked.caption_images(images, given), strict=True))
-        reasons = sorted({f for e in made.values() for f in e.flags if f.startswith(FAILED)})
-        if reasons:  # nothing is cached; the batch's callers get 503 and Retry-After
-            raise BackendUnavailable(f"the captioning server gave no answer ({', '.join(reasons)})")
-        for i, entry in made.items():
-            self.cache.add(uploads[i].pixel_hash, uploads[i].phash, entry, vectors.get(i))
+        for i, entry in made.items():  # a failed one is asked again next time
+            if not failed(entry):
+                self.cache.add(uploads[i].pixel_hash, uploads[i].phash, entry, vectors.get(i))
         return made
