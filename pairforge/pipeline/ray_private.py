@@ -132,7 +132,10 @@ def _after_registration(get_node: Callable[[str, str], Any]) -> Callable[[str, s
 
     ``ray.init`` asks for its new node 0.1 s after starting the raylet, which registers
     ~0.5 s after its start; a miss makes Ray's lookup sleep a whole second before asking
-    again. Polling every 20 ms first gives the driver its node sooner.
+    again. Polling every 20 ms first gives the driver its node sooner. It also waits
+    longer than Ray would: Ray's own loop gives up after a fixed 30 s ("The current node
+    timed out during startup"), which a local start on a busy machine misses (seen at
+    load averages of 30 and more); here a start gets ``REGISTRATION_PATIENCE_S`` first.
     """
     def after(gcs_address: str, node_id: str) -> Any:
         wait_for_registration(gcs_address, node_id)
@@ -141,7 +144,11 @@ def _after_registration(get_node: Callable[[str, str], Any]) -> Callable[[str, s
     return after
 
 
-def wait_for_registration(gcs_address: str, node_id: str, patience_s: float = 5.0) -> bool:
+REGISTRATION_PATIENCE_S = 120.0
+
+
+def wait_for_registration(gcs_address: str, node_id: str,
+                          patience_s: float = REGISTRATION_PATIENCE_S) -> bool:
     """Whether the GCS lists ``node_id`` alive within ``patience_s`` (a slower start is
     left to Ray's own wait, which reports the failure)."""
     try:
