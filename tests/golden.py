@@ -20,6 +20,8 @@ integer, string and token stays exact).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import random
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +123,19 @@ def golden_config(input_csv: Path, out: Path, clip: dict[str, str],
             "tasks": {"p_drop": 0.3},
         },
     }
+
+
+@contextlib.contextmanager
+def exclusive() -> Iterator[None]:
+    """Hold the fixed folder and port for one golden build at a time on this host: two
+    checkouts (or a benchmark's worktree and CI) building at once would empty each other's
+    folder and fight for the port; the second waits instead."""
+    with open(Path(tempfile.gettempdir()) / "pairforge-golden.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def build(models: Path = PACKAGE / "sample", root: Path = ROOT) -> Path:
@@ -238,8 +254,9 @@ def main() -> None:
                         help="folder holding captioner/ and vq32/ (default: the package's)")
     parser.add_argument("--write", type=Path, help="write the digest here")
     args = parser.parse_args()
-    digests = digest(build(args.models))
-    shutil.rmtree(ROOT, ignore_errors=True)
+    with exclusive():
+        digests = digest(build(args.models))
+        shutil.rmtree(ROOT, ignore_errors=True)
     text = json.dumps(digests, indent=1, sort_keys=True) + "\n"
     if args.update:
         DIGEST_FILE.parent.mkdir(exist_ok=True)

@@ -18,10 +18,11 @@ import pytest
 @pytest.mark.slow
 def test_the_golden_build_writes_the_pinned_bytes():
     expected = json.loads(golden.DIGEST_FILE.read_text())
-    try:
-        found = golden.digest(golden.build())
-    finally:
-        golden.shutil.rmtree(golden.ROOT, ignore_errors=True)
+    with golden.exclusive():
+        try:
+            found = golden.digest(golden.build())
+        finally:
+            golden.shutil.rmtree(golden.ROOT, ignore_errors=True)
     assert sorted(found) == sorted(expected), "files added or missing"
     changed = golden.differences(found, expected)
     assert not changed, f"bytes changed in {changed} (see tests/golden.py to regenerate)"
