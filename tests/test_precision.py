@@ -77,6 +77,25 @@ def test_clip_compile_gives_eager_scores(clip):
                                atol=1e-5)
 
 
+def test_an_image_tower_out_of_memory_halves_only_the_image_calls(clip):
+    """Each CLIP tower keeps its own call size: a card that fits 8 texts but only 2 images
+    a call halves the image calls alone (same embeddings), and texts still go 8 at once."""
+    scorer = ClipScorer(ClipConfig(**clip, batch_size=8))
+    pictures = _pictures(5)
+    expected = scorer.embed_images(pictures)
+    image_tower = scorer.encode_image
+
+    def small_card(batch: torch.Tensor) -> torch.Tensor:
+        if batch.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return image_tower(batch)
+
+    scorer.encode_image = small_card
+    np.testing.assert_allclose(scorer.embed_images(pictures), expected, atol=1e-5)
+    scorer.embed_texts(["a red circle"] * 5)
+    assert scorer.forwards["image"].rows == 2 and scorer.forwards["text"].rows == 8
+
+
 def test_vq_dtype_is_in_its_fingerprint_only_below_float32():
     from pairforge.tokenizers.registry import load_image_tokenizer
 

@@ -60,7 +60,10 @@ class ClipScorer:
         self.model.eval()
         self.tokenizer = open_clip.get_tokenizer(cfg.model)
         self.device = device
-        self.forward = FixedForward(cfg.call_rows, "clip")  # pairforge/batching.py
+        # one per tower (pairforge/batching.py): an image tower out of memory halves its
+        # own calls, not the text tower's
+        self.forwards = {"image": FixedForward(cfg.call_rows, "clip image tower"),
+                         "text": FixedForward(cfg.call_rows, "clip text tower")}
         self.name = f"{cfg.model}/{cfg.pretrained or 'random-init'}"
         self.view, self.to_tensor = _own_view(cfg, self.preprocess)
         dtype = model_dtype(cfg.dtype, device)  # auto: bf16 on GPUs, fp32 on CPU
@@ -70,27 +73,28 @@ class ClipScorer:
         self.encode_image, self.encode_text = (
             tuple(torch.compile(t) for t in towers) if cfg.compile else towers)
 
-    def _run(self, fn: Any, tensor: Any) -> np.ndarray:
+    def _run(self, tower: str, tensor: Any) -> np.ndarray:
         import torch
 
+        fn = self.encode_image if tower == "image" else self.encode_text
         with torch.inference_mode(), self.autocast:
-            out = self.forward(fn, tensor.to(self.device)).float()
+            out = self.forwards[tower](fn, tensor.to(self.device)).float()
             return torch.nn.functional.normalize(out, dim=-1).cpu().numpy()
 
     def embed_images(self, images: list[Image.Image]) -> np.ndarray:
         import torch
 
         batch = torch.stack([self.preprocess(im) for im in images])
-        return self._run(self.encode_image, batch)
+        return self._run("image", batch)
 
     def embed_view(self, pictures: list[Image.Image]) -> np.ndarray:
         """Embeddings of pictures already in ``self.view`` (resized and cropped)."""
         import torch
 
-        return self._run(self.encode_image, torch.stack([self.to_tensor(p) for p in pictures]))
+        return self._run("image", torch.stack([self.to_tensor(p) for p in pictures]))
 
     def embed_texts(self, texts: list[str]) -> np.ndarray:
-        return self._run(self.encode_text, self.tokenizer(texts))
+        return self._run("text", self.tokenizer(texts))
 
     def score(self, images: list[Image.Image], texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(cosine similarity per pair, normalised image embeddings)."""
