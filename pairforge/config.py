@@ -464,6 +464,11 @@ class RecaptionCacheConfig(Strict):
         "auto", description="the embedding tier's vectors: captioner: the captioning model's "
         "own vision encoder (transformers backend); clip: the clip section's model; auto: "
         "captioner for the transformers backend, clip for a server")
+    embedding_probes: int = Field(
+        8, ge=1, description="clusters of the stored vectors (about 4,096 vectors each) the "
+        "embedding tier searches per image, the nearest first: more find more of the near "
+        "captions an exact search would, at more cost; a cache of at most this many "
+        "clusters is searched whole")
 
 
 class DetectorConfig(Strict):

@@ -5,6 +5,7 @@ partitioned."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def small_parts(monkeypatch) -> None:
     monkeypatch.setattr(cache_index, "EXACT_ROWS_PER_PART", 16)
     monkeypatch.setattr(cache_index, "BAND_ROWS_PER_PART", 32)
     monkeypatch.setattr(cache_index, "VECTOR_CHUNK_ROWS", 7)
+    monkeypatch.setattr(cache_index, "VECTOR_ROWS_PER_CLUSTER", 16)  # clusters of ~16
     monkeypatch.setattr(cache_index, "LOG_ROWS_PER_TASK", 50)
 
 
@@ -65,7 +67,8 @@ class Logs:
     def assert_same_answers(self, distance: int, max_bytes: int = 4000) -> IndexedCaptionCache:
         """Every tier through the index equals the whole load, on hits and misses."""
         old = CaptionCache.load(self.folder, distance, 0.3)
-        new = IndexedCaptionCache(self.folder, distance, 0.3, max_bytes=max_bytes)
+        # every cluster probed: the inverted file answers as the exact search
+        new = IndexedCaptionCache(self.folder, distance, 0.3, max_bytes=max_bytes, probes=10**6)
         hashes = self.hashes[:40] + [f"{self.rng.getrandbits(256):064x}" for _ in range(20)]
         phashes = [self.near(1) for _ in hashes]
         vectors = [self.vector() for _ in hashes]
@@ -157,6 +160,7 @@ def test_an_interrupted_compaction_leaves_the_index_as_it_was(tmp_path) -> None:
     names = [n for unit in plan.units for n in unit]
     plan = cache_index.with_layout(plan, dict(zip(names, cache_index.count_rows(plan, names),
                                                   strict=True)))
+    plan = cache_index.with_centroids(plan)
     for unit in range(len(plan.units)):
         cache_index.scatter(plan, unit)
     cache_index.merge(plan, "exact", cache_index.merge_groups(plan.exact_bits)[0])
@@ -189,11 +193,13 @@ def _fold(plan: cache_index.Compaction) -> tuple[cache_index.Compaction, dict[st
     names = [n for unit in plan.units for n in unit]
     plan = cache_index.with_layout(plan, dict(zip(names, cache_index.count_rows(plan, names),
                                                   strict=True)))
+    plan = cache_index.with_centroids(plan)
     for unit in range(len(plan.units)):
         cache_index.scatter(plan, unit)
     return plan, {kind: sum(cache_index.merge(plan, kind, g) for g in
                             cache_index.merge_groups(getattr(plan, f"{kind}_bits")))
-                  for kind in ("exact", "bands")} | {"vectors": cache_index.merge_vectors(plan)}
+                  for kind in ("exact", "bands")} | {"vectors": sum(
+        cache_index.merge_vectors(plan, g) for g in cache_index.cluster_groups(plan.clusters))}
 
 
 def test_a_readers_generation_outlives_later_commits_while_pinned(tmp_path, caplog) -> None:
@@ -330,3 +336,98 @@ def test_a_registry_has_one_actor_per_rows_per_part() -> None:
 
     assert [registry_parts(n) for n in (0, 1, ROWS_PER_PART, ROWS_PER_PART + 1)] == [1, 1, 1, 2]
     assert registry_parts(10**9) == 239  # no actor holds more than its share
+
+
+def _clustered_log(root: Path, name: str, centres: np.ndarray, per_centre: int,
+                   rng: np.random.Generator) -> list[list[float]]:
+    """A log part whose vectors lie near ``centres`` (a few degrees off each)."""
+    root.mkdir(parents=True, exist_ok=True)
+    vectors = []
+    for centre in centres:
+        for _ in range(per_centre):
+            v = centre + rng.normal(scale=0.05, size=centre.shape)
+            vectors.append((v / np.linalg.norm(v)).astype("f4").tolist())
+    pq.write_table(pa.Table.from_pylist([
+        {"pixel_hash": f"{rng.integers(2**62):064x}", "phash": None,
+         "recaption": f"A scene numbered {i}.", "flags": [], "embedding": v}
+        for i, v in enumerate(vectors)], schema=CACHE_SCHEMA), root / name)
+    return vectors
+
+
+def _directions(n: int, dim: int, rng: np.random.Generator) -> np.ndarray:
+    d = rng.normal(size=(n, dim))
+    return d / np.linalg.norm(d, axis=1, keepdims=True)
+
+
+def test_the_embedding_tier_reads_only_the_clusters_nearest_each_image(tmp_path) -> None:
+    """An inverted file: the stored vectors are clustered, and a lookup reads the clusters
+    nearest its vector, not every vector; near a stored vector it finds the caption the
+    exact search finds."""
+    rng = np.random.default_rng(0)
+    root = tmp_path / "cache"
+    stored = _clustered_log(root, "a-0000.parquet", _directions(12, 16, rng), 24, rng)
+    folder = OutputDir(str(root))
+    marker = compact(folder, {}, 0)
+    assert marker["clusters"] >= 8 and marker["counts"]["vectors"] == len(stored)
+    whole = CaptionCache.load(folder, 0, 0.9)
+    queries = {i: (np.asarray(stored[i]) + rng.normal(scale=0.01, size=16)).tolist()
+               for i in range(0, len(stored), 7)}
+    one = IndexedCaptionCache(folder, 0, 0.9, probes=1)
+    found = one.lookup_embeddings(queries)
+    assert found == {i: hit for i, v in queries.items() if (hit := whole._nearest(v))}
+    assert len(found) == len(queries)
+    every = IndexedCaptionCache(folder, 0, 0.9, probes=10**6)
+    assert every.lookup_embeddings(queries) == found
+    # one cluster per query (fewer when queries share one), never the whole store
+    fresh = IndexedCaptionCache(folder, 0, 0.9, probes=1)
+    fresh.lookup_embeddings({0: queries[0]})
+    assert fresh.partitions.reads == 1 < marker["clusters"]
+
+
+def test_vectors_grown_four_times_get_new_clusters(tmp_path) -> None:
+    """A compaction keeps the previous generation's centroids until the vectors have
+    grown RECLUSTER_GROWTH times since they were trained; then it rebuilds from every log
+    part with new ones, and the answers stay the exact search's."""
+    rng = np.random.default_rng(1)
+    root = tmp_path / "cache"
+    centres = _directions(6, 16, rng)
+    _clustered_log(root, "a-0000.parquet", centres, 4, rng)  # 24 vectors
+    folder = OutputDir(str(root))
+    first = compact(folder, {}, 0)
+    _clustered_log(root, "b-0000.parquet", centres, 4, rng)  # 48: the same centroids
+    second = compact(folder, {}, 0)
+    assert second["clustered_for"] == first["clustered_for"] == 24
+    assert second["clusters"] == first["clusters"]
+    assert set(second["logs"]) == {"a-0000.parquet", "b-0000.parquet"}
+    _clustered_log(root, "c-0000.parquet", _directions(12, 16, rng), 12, rng)  # 192
+    third = compact(folder, {}, 0)
+    assert third["clustered_for"] == 192 and third["clusters"] > second["clusters"]
+    assert third["counts"]["vectors"] == 192
+    whole = CaptionCache.load(folder, 0, 0.5)
+    reader = IndexedCaptionCache(folder, 0, 0.5, probes=10**6)
+    queries = {i: _directions(1, 16, rng)[0].tolist() for i in range(20)}
+    assert reader.lookup_embeddings(queries) == {
+        i: hit for i, v in queries.items() if (hit := whole._nearest(v))}
+
+
+def test_a_generation_from_before_the_clusters_is_read_whole_then_rebuilt(tmp_path) -> None:
+    """A generation written before the clusters (one vectors.parquet, no clusters in its
+    marker) still answers; the next compaction rebuilds it into clusters."""
+    logs = Logs(tmp_path / "cache", seed=5)
+    for n in range(3):
+        logs.write(f"a-{n:04d}.parquet", 30)
+    marker = compact(logs.folder, {}, 2)
+    index = logs.root / INDEX_FOLDER
+    generation = index / marker["folder"]
+    tables = [pq.read_table(p) for p in sorted((generation / "vectors").glob("*.parquet"))]
+    pq.write_table(pa.concat_tables(tables).sort_by(cache_index.ORDER),
+                   generation / "vectors.parquet", row_group_size=7)
+    legacy = {k: v for k, v in marker.items() if k not in ("clusters", "clustered_for")}
+    (index / f"{marker['folder']}.json").write_text(json.dumps(legacy))
+    logs.assert_same_answers(2)  # read whole, chunk by chunk
+    assert cache_index.plan_compaction(logs.folder, {}, 2) is None  # nothing new: kept
+    logs.write("b-0000.parquet", 30)
+    assert cache_index.plan_compaction(logs.folder, {}, 2).previous is None  # a rebuild
+    rebuilt = compact(logs.folder, {}, 2)
+    assert rebuilt["clusters"] >= 1 and rebuilt["generation"] == 2
+    logs.assert_same_answers(2)

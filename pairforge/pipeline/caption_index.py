@@ -54,9 +54,14 @@ def compact_cache(folder: OutputDir, storage_options: dict[str, Any], phash_dist
     if plan is None:
         return None
     started = time.perf_counter()
+    waves = Waves(retries)
+    plan = _laid_out(plan, waves)
+    if cache_index.outgrown(plan):  # the vectors need new clusters: from every log part
+        plan = _laid_out(cache_index.plan_compaction(folder, storage_options, phash_distance,
+                                                     rebuild=True), waves)
     cache_index.pin_compaction(plan)
     try:
-        plan, totals = _fold(plan, retries)
+        plan, totals = _fold(plan, waves)
     except BaseException:
         cache_index.unpin_compaction(plan)
         raise
@@ -69,20 +74,32 @@ def compact_cache(folder: OutputDir, storage_options: dict[str, Any], phash_dist
             "rows": plan.new_rows, "index_rows": totals, "seconds": seconds}
 
 
-def _fold(plan: cache_index.Compaction, retries: int
-          ) -> tuple[cache_index.Compaction, dict[str, int]]:
-    """The compaction's tasks: count, scatter, merge; the plan with its layout, and the
-    index rows of each kind."""
-    waves = Waves(retries)
+def _laid_out(plan: cache_index.Compaction, waves: Waves) -> cache_index.Compaction:
+    """The plan with its layout, from the new log parts' row counts (tasks read footers)."""
     names = [name for unit in plan.units for name in unit]
     groups = [names[i:i + COUNT_GROUP] for i in range(0, len(names), COUNT_GROUP)]
     counts = waves.run(cache_index.count_rows, [(_for_tasks(plan), g) for g in groups])
-    plan = cache_index.with_layout(plan, dict(zip(
+    return cache_index.with_layout(plan, dict(zip(
         names, [n for group in counts for n in group], strict=True)))
+
+
+def _fold(plan: cache_index.Compaction, waves: Waves
+          ) -> tuple[cache_index.Compaction, dict[str, int]]:
+    """The compaction's tasks: the vectors' centroids, scatter, merge; the plan as
+    committed, and the index rows of each kind."""
+    units = [(_for_tasks(plan), unit) for unit in range(len(plan.units))]
+    if plan.trains:
+        waves.run(cache_index.sample_vectors, units, name="sample_vectors")
+        plan = replace(plan, clusters=waves.run(cache_index.train_centroids,
+                                                [(_for_tasks(plan),)])[0])
+    else:
+        waves.run(cache_index.keep_centroids, [(_for_tasks(plan),)])
     sent = _for_tasks(plan)
     waves.run(cache_index.scatter, [(sent, unit) for unit in range(len(plan.units))])
     totals = {kind: sum(waves.run(cache_index.merge, [
         (sent, kind, group) for group in cache_index.merge_groups(getattr(plan, f"{kind}_bits"))
     ], name=f"merge_{kind}")) for kind in ("exact", "bands")}
-    totals["vectors"] = waves.run(cache_index.merge_vectors, [(sent,)])[0]
+    totals["vectors"] = sum(waves.run(cache_index.merge_vectors, [
+        (sent, group) for group in cache_index.cluster_groups(plan.clusters)],
+        name="merge_vectors"))
     return plan, totals

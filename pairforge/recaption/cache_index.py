@@ -10,11 +10,17 @@ index generation does not hold into a new generation under ``CACHE/IDENTITY/inde
 - ``gen-NNNNNN-TOKEN/bands/part-P.parquet``: every entry the near tier may serve, once
   per pigeonhole band of its perceptual hash (``phash_distance + 1`` bands), by prefix of
   the band's hash, in log order;
-- ``gen-NNNNNN-TOKEN/vectors.parquet``: the stored vectors of entries the embedding tier
-  may serve, in log order, in row groups of ``VECTOR_CHUNK_ROWS``;
-- ``gen-NNNNNN.json``: the generation's marker, written last and atomically. It names the
-  folder, the prefix bits, the ``phash_distance`` the bands were made for and every log
-  part the generation holds, with its size. Generations are immutable.
+- ``gen-NNNNNN-TOKEN/vectors/part-C.parquet``: the stored vectors of entries the
+  embedding tier may serve, by cluster ``C`` (the nearest of ``centroids.npy``: spherical
+  k-means, ``dedup/semantic.py``'s, about ``VECTOR_ROWS_PER_CLUSTER`` vectors a cluster),
+  in log order; a lookup searches the clusters nearest its vector (an inverted-file
+  layout), so its cost follows the probes, not the vectors stored. The centroids are
+  trained at a rebuild on a bounded sample and kept by the generations that extend it,
+  until the vectors have grown ``RECLUSTER_GROWTH`` times: then the compaction rebuilds;
+- ``gen-NNNNNN-TOKEN.json``: the generation's marker, written last and atomically. It
+  names the folder, the prefix bits, the ``phash_distance`` the bands were made for, the
+  clusters, and every log part the generation holds, with its size. Generations are
+  immutable.
 
 *Log order* is ``CaptionCache.load``'s: parts by name, rows in order. Each index row
 carries its ``log`` and ``row``, so merges and lookups keep that order however the parts
@@ -44,31 +50,47 @@ generation is gone after all reads the newest one (``cache_lookup.py``).
 
 from __future__ import annotations
 
-import contextlib
 import posixpath
-import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pairforge.dedup.index_writing import index_part_name, index_prefix_bits
-from pairforge.dedup.shuffle import mix64, read_part, string_hash, write_parts, write_table
+from pairforge.dedup.semantic import (
+    assign,
+    default_clusters,
+    kmeans,
+    normalise,
+    sample_mask,
+    sample_size,
+)
+from pairforge.dedup.shuffle import (
+    mix64,
+    read_part,
+    read_tables,
+    string_hash,
+    write_parts,
+    write_table,
+)
 from pairforge.recaption.cache import CACHE_SCHEMA, mentions_text
+from pairforge.recaption.cache_pins import COMPACTION_PIN_S, INDEX_FOLDER, pin, pinned, unpin
 from pairforge.shards.storage import OutputDir, atomic_writer
 
-INDEX_FOLDER = "index"
 EXACT_ROWS_PER_PART = 1 << 13
 BAND_ROWS_PER_PART = 1 << 14
-VECTOR_CHUNK_ROWS = 1 << 12
+VECTOR_CHUNK_ROWS = 1 << 12  # rows a legacy generation's vectors.parquet is read by
+VECTOR_ROWS_PER_CLUSTER = 1 << 12
+CENTROID_SAMPLE = 1 << 16  # vectors the k-means of a rebuild trains on, at most
+RECLUSTER_GROWTH = 4  # vectors grown this many times since their clustering: rebuild
+CLUSTERS_PER_MERGE = 64  # vector clusters a merge task writes
 LOG_ROWS_PER_TASK = 1 << 18  # rows a scatter task reads (whole log parts)
 PARTS_PER_MERGE = 64  # partitions a merge task writes
 KEEP_GENERATIONS = 2  # the newest and the one before, besides what is pinned
-PIN_S = 1800.0  # a reader's pin of its generation; renewed at half its life
-COMPACTION_PIN_S = 6 * 3600.0  # a compaction's pins: it commits or fails within this
 
 ORDER = [("log", "ascending"), ("row", "ascending")]
 _ENTRY = [pa.field("recaption", pa.string()), pa.field("flags", pa.list_(pa.string())),
@@ -95,6 +117,8 @@ class Compaction:
     bands_bits: int = 0
     new_rows: int = 0
     counts: dict[str, int] = field(default_factory=dict)
+    clusters: int = 1  # of the stored vectors (the previous generation's, or a new k-means)
+    clustered_for: int = 0  # the vectors there were when those centroids were trained
 
     def folder(self) -> OutputDir:
         return OutputDir(self.url, self.storage_options)
@@ -112,6 +136,12 @@ class Compaction:
 
     def work_files(self, kind: str) -> list[str]:
         return [self.work_file(kind, u) for u in range(len(self.units))]
+
+    @property
+    def trains(self) -> bool:
+        """Whether this generation trains its vectors' centroids (a rebuild, or a previous
+        generation that stored no vector) rather than keeping the previous ones."""
+        return self.previous is None or not self.previous.get("clusters")
 
 
 # ------------------------------------------------------------------------- generations
@@ -147,22 +177,51 @@ def part_path(folder: OutputDir, marker: dict[str, Any], kind: str, prefix: int)
 
 
 def vectors_path(folder: OutputDir, marker: dict[str, Any]) -> str:
+    """A generation from before the clusters: every vector in one file."""
     return folder.path(INDEX_FOLDER, marker["folder"], "vectors.parquet")
 
 
+def cluster_path(folder: OutputDir, marker: dict[str, Any], cluster: int) -> str:
+    return folder.path(INDEX_FOLDER, marker["folder"], "vectors",
+                       index_part_name(cluster, _cluster_digits(marker["clusters"])))
+
+
+def centroids_path(folder: OutputDir, marker: dict[str, Any]) -> str:
+    return folder.path(INDEX_FOLDER, marker["folder"], "centroids.npy")
+
+
+def _cluster_digits(clusters: int) -> int:
+    return max(1, (clusters - 1).bit_length())
+
+
+def read_centroids(folder: OutputDir, marker: dict[str, Any]) -> np.ndarray:
+    with folder.fs.open(centroids_path(folder, marker), "rb") as f:
+        return np.load(f)
+
+
+def _write_centroids(plan: Compaction, centroids: np.ndarray) -> None:
+    folder = plan.folder()
+    path = centroids_path(folder, {"folder": plan.name})
+    folder.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    with atomic_writer(folder.fs, path) as handle:
+        np.save(handle, centroids.astype(np.float32))
+
+
 def plan_compaction(folder: OutputDir, storage_options: dict[str, Any],
-                    phash_distance: int) -> Compaction | None:
+                    phash_distance: int, rebuild: bool = False) -> Compaction | None:
     """What the next generation folds in; None when the newest holds every log part.
-    ``storage_options``: the ones ``folder`` was opened with (the tasks open it again)."""
+    ``storage_options``: the ones ``folder`` was opened with (the tasks open it again);
+    ``rebuild``: from every log part (``outgrown``: the vectors need new clusters)."""
     logs = list_logs(folder)
     markers = _markers(folder)
     newest = folder.read_json(INDEX_FOLDER, markers[0]) if markers else None
     held = newest["logs"] if newest else {}
-    if newest and newest["phash_distance"] == phash_distance and held == logs:
+    if newest and newest["phash_distance"] == phash_distance and held == logs and not rebuild:
         return None
     if not logs and not newest:
         return None
-    rebuild = (newest is None or newest["phash_distance"] != phash_distance
+    rebuild = (rebuild or newest is None or newest["phash_distance"] != phash_distance
+               or "clusters" not in newest  # a generation from before the clusters
                or any(logs.get(name) != size for name, size in held.items()))
     new = sorted(logs) if rebuild else sorted(set(logs) - set(held))
     return Compaction(folder.url, storage_options, (newest["generation"] + 1) if newest else 1,
@@ -199,8 +258,26 @@ def with_layout(plan: Compaction, rows: dict[str, int]) -> Compaction:
             size = 0
         units[-1].append(name)
         size += rows[name]
+    clusters, clustered_for = ((previous["clusters"], previous["clustered_for"])
+                               if not plan.trains else
+                               (default_clusters(new_rows, VECTOR_ROWS_PER_CLUSTER), new_rows))
     return replace(plan, units=units, exact_bits=exact_bits, bands_bits=bands_bits,
-                   new_rows=new_rows)
+                   new_rows=new_rows, clusters=clusters, clustered_for=clustered_for)
+
+
+def outgrown(plan: Compaction) -> bool:
+    """Whether the vectors have grown ``RECLUSTER_GROWTH`` times since their clusters were
+    trained (then a rebuild trains new ones: clusters too large make lookups scan more)."""
+    if plan.trains:
+        return False
+    vectors = plan.previous.get("counts", {}).get("vectors", 0) + plan.new_rows
+    return vectors > RECLUSTER_GROWTH * max(plan.clustered_for, VECTOR_ROWS_PER_CLUSTER)
+
+
+def cluster_groups(clusters: int) -> list[list[int]]:
+    """The vector clusters in groups of ``CLUSTERS_PER_MERGE``: one merge task each."""
+    ids = list(range(clusters))
+    return [ids[i:i + CLUSTERS_PER_MERGE] for i in range(0, clusters, CLUSTERS_PER_MERGE)]
 
 
 def merge_groups(bits: int) -> list[list[int]]:
@@ -216,7 +293,8 @@ def commit(plan: Compaction, counts: dict[str, int]) -> dict[str, Any]:
     folder = plan.folder()
     marker = {"generation": plan.generation, "folder": plan.name, "logs": plan.logs,
               "phash_distance": plan.phash_distance, "exact_bits": plan.exact_bits,
-              "bands_bits": plan.bands_bits, "counts": counts}
+              "bands_bits": plan.bands_bits, "clusters": plan.clusters,
+              "clustered_for": plan.clustered_for, "counts": counts}
     folder.write_json(marker, INDEX_FOLDER, f"{plan.name}.json")
     unpin_compaction(plan)
     kept = _markers(folder)[:KEEP_GENERATIONS]
@@ -232,35 +310,6 @@ def commit(plan: Compaction, counts: dict[str, int]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ pins
-
-
-def pin(folder: OutputDir, name: str, holder: str, seconds: float = PIN_S) -> float:
-    """Keep ``name`` (a folder under index/) from cleanup for ``seconds``; returns until
-    when. Wall-clock time: the holders are on other machines than the committer."""
-    until = time.time() + seconds
-    folder.fs.makedirs(folder.path(INDEX_FOLDER), exist_ok=True)
-    folder.write_json({"name": name, "until": until}, INDEX_FOLDER, f"pin-{name}-{holder}.json")
-    return until
-
-
-def unpin(folder: OutputDir, name: str, holder: str) -> None:
-    with contextlib.suppress(FileNotFoundError):  # lapsed and removed by a commit
-        folder.fs.rm(folder.path(INDEX_FOLDER, f"pin-{name}-{holder}.json"))
-
-
-def pinned(folder: OutputDir) -> set[str]:
-    """The names live pins hold; lapsed pins are removed."""
-    now, held = time.time(), set()
-    for name in folder.glob(f"{INDEX_FOLDER}/pin-*.json"):
-        try:
-            entry = folder.read_json(INDEX_FOLDER, name)
-        except FileNotFoundError:
-            continue  # unpinned meanwhile
-        if entry["until"] > now:
-            held.add(entry["name"])
-        else:
-            unpin(folder, entry["name"], name[len(f"pin-{entry['name']}-"):-len(".json")])
-    return held
 
 
 def _compaction_names(plan: Compaction) -> list[str]:
@@ -365,8 +414,60 @@ def scatter(plan: Compaction, unit: int) -> dict[str, int]:
                 exact_prefix(exact["pixel_hash"], plan.exact_bits))
     write_parts(folder.fs, plan.work_file("bands", unit), bands,
                 band_prefix(bands["band"].to_numpy(), bands["bits"].to_numpy(), plan.bands_bits))
-    write_table(folder.fs, plan.work_file("vectors", unit), vectors)
+    write_parts(folder.fs, plan.work_file("vectors", unit), vectors,
+                _clusters_of(plan, vectors))
     return {"exact": len(exact), "bands": len(bands), "vectors": len(vectors)}
+
+
+def _matrix(vectors: pa.Table) -> np.ndarray:
+    flat = pc.list_flatten(vectors["embedding"]).to_numpy()
+    return normalise(flat.reshape(len(vectors), -1)) if len(vectors) else np.zeros((0, 0), "f4")
+
+
+def _clusters_of(plan: Compaction, vectors: pa.Table) -> np.ndarray:
+    """Each vector's cluster: the nearest of the new generation's centroids."""
+    if not len(vectors):
+        return np.zeros(0, np.int64)
+    centroids = read_centroids(plan.folder(), {"folder": plan.name})
+    return assign(_matrix(vectors), centroids)
+
+
+# ------------------------------------------------------------------- vector clusters
+
+
+def sample_vectors(plan: Compaction, unit: int) -> int:
+    """A seeded sample of one scatter unit's vectors for the k-means (a rebuild): each
+    row is in by a hash of its place in the log, so the tasks together draw about
+    ``sample_size`` of all, whatever their units."""
+    folder = plan.folder()
+    size = sample_size(plan.new_rows, plan.clusters, CENTROID_SAMPLE)
+    found = [index_rows(read_log(folder, name), name, 0)[2] for name in plan.units[unit]]
+    vectors = pa.concat_tables([VECTOR_SCHEMA.empty_table(), *found])
+    place = pc.binary_join_element_wise(vectors["log"], pc.cast(vectors["row"], pa.string()),
+                                        ":")
+    sample = vectors.filter(pa.array(sample_mask(place, plan.new_rows, size, seed=0)))
+    write_table(folder.fs, plan.work_file("sample", unit), sample.select(["embedding"]))
+    return len(sample)
+
+
+def train_centroids(plan: Compaction) -> int:
+    """The k-means of the units' samples, saved in the new generation; its clusters (at
+    most the sample's rows; 0 where no vector is stored)."""
+    folder = plan.folder()
+    sample = read_tables(folder.fs, plan.work_files("sample"),
+                         pa.schema([VECTOR_SCHEMA.field("embedding")]))
+    if not len(sample):
+        return 0
+    centroids = kmeans(_matrix(sample), plan.clusters)
+    _write_centroids(plan, centroids)
+    return len(centroids)
+
+
+def keep_centroids(plan: Compaction) -> int:
+    """The previous generation's centroids, copied into the new one."""
+    centroids = read_centroids(plan.folder(), plan.previous)
+    _write_centroids(plan, centroids)
+    return len(centroids)
 
 
 def _previous_part(plan: Compaction, kind: str, prefix: int, schema: pa.Schema) -> pa.Table:
@@ -415,42 +516,60 @@ def merge(plan: Compaction, kind: str, prefixes: list[int]) -> int:
     return written
 
 
-def merge_vectors(plan: Compaction) -> int:
-    """The new generation's vectors: the previous ones and the new, in log order, in
-    chunks of ``VECTOR_CHUNK_ROWS`` (one task: every vector passes through it)."""
+def merge_vectors(plan: Compaction, clusters: list[int]) -> int:
+    """Write clusters ``clusters`` of the new generation's vectors: the previous
+    generation's rows of each (same centroids) and the new ones, in log order. Every
+    cluster gets its file, empty or not."""
     folder = plan.folder()
-    tables = [VECTOR_SCHEMA.empty_table()]
-    if plan.previous is not None:
-        with folder.fs.open(vectors_path(folder, plan.previous), "rb") as f:
-            tables.append(pq.read_table(f).replace_schema_metadata(None).cast(VECTOR_SCHEMA))
-    for path in plan.work_files("vectors"):
-        with folder.fs.open(path, "rb") as f:
-            tables.append(pq.read_table(f).replace_schema_metadata(None).cast(VECTOR_SCHEMA))
-    table = pa.concat_tables(tables).sort_by(ORDER)
-    path = folder.path(INDEX_FOLDER, plan.name, "vectors.parquet")
-    folder.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-    with atomic_writer(folder.fs, path) as handle:
-        pq.write_table(table, handle, row_group_size=VECTOR_CHUNK_ROWS)
-    return len(table)
+    written = 0
+    for cluster in clusters:
+        tables = [read_part(folder.fs, plan.work_files("vectors"), cluster, VECTOR_SCHEMA)]
+        if not plan.trains:
+            with folder.fs.open(cluster_path(folder, plan.previous, cluster), "rb") as f:
+                tables.append(pq.read_table(f).replace_schema_metadata(None).cast(VECTOR_SCHEMA))
+        table = pa.concat_tables(tables).sort_by(ORDER)
+        write_table(folder.fs, cluster_path(folder, {"folder": plan.name,
+                                                     "clusters": plan.clusters}, cluster), table)
+        written += len(table)
+    return written
 
 
 def compact(folder: OutputDir, storage_options: dict[str, Any],
             phash_distance: int) -> dict[str, Any] | None:
     """A whole compaction in this process (``pipeline/caption_index.py`` runs the same
     steps as Ray tasks); returns the new marker, or None when there was nothing to do."""
-    plan = plan_compaction(folder, storage_options, phash_distance)
+    plan = _laid_out(plan_compaction(folder, storage_options, phash_distance))
+    if plan is not None and outgrown(plan):
+        plan = _laid_out(plan_compaction(folder, storage_options, phash_distance, True))
     if plan is None:
         return None
     pin_compaction(plan)
     try:
-        names = [n for unit in plan.units for n in unit]
-        plan = with_layout(plan, dict(zip(names, count_rows(plan, names), strict=True)))
+        plan = with_centroids(plan)
         for unit in range(len(plan.units)):
             scatter(plan, unit)
         counts = {"exact": sum(merge(plan, "exact", g) for g in merge_groups(plan.exact_bits)),
                   "bands": sum(merge(plan, "bands", g) for g in merge_groups(plan.bands_bits)),
-                  "vectors": merge_vectors(plan)}
+                  "vectors": sum(merge_vectors(plan, g) for g in cluster_groups(plan.clusters))}
     except BaseException:
         unpin_compaction(plan)
         raise
     return commit(plan, counts)
+
+
+def with_centroids(plan: Compaction) -> Compaction:
+    """The vectors' centroids in the new generation, in this process (trained, or the
+    previous generation's), before any scatter; the plan with its clusters."""
+    if plan.trains:
+        for unit in range(len(plan.units)):
+            sample_vectors(plan, unit)
+        return replace(plan, clusters=train_centroids(plan))
+    keep_centroids(plan)
+    return plan
+
+
+def _laid_out(plan: Compaction | None) -> Compaction | None:
+    if plan is None:
+        return None
+    names = [n for unit in plan.units for n in unit]
+    return with_layout(plan, dict(zip(names, count_rows(plan, names), strict=True)))

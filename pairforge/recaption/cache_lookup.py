@@ -10,11 +10,12 @@ before its actors start, so normally there is none). The answers are those of
 - exact pixel hash: the last entry in log order;
 - perceptual hash within ``phash_distance``: the first match in band order, then in log
   order (the bands of the generation built for this distance);
-- the embedding tier: the highest cosine over the stored vectors, the first in log order
-  among equals, when it reaches ``embedding_threshold``. The vectors are scanned in
-  chunks (an exact scan, bounded memory: the chunks share the LRU), so its cost grows
-  with the number of stored vectors; an inverted-file layout (clustered vectors, the
-  nearest clusters probed) is not built yet.
+- the embedding tier: the highest cosine, the first in log order among equals, when it
+  reaches ``embedding_threshold``, over the stored vectors of the ``probes`` clusters
+  nearest the image's vector (an inverted file: cache_index.py clusters the vectors), so
+  a lookup's cost follows the probes, not the vectors stored; with every cluster probed
+  it is the exact search. A generation from before the clusters is scanned whole, in
+  chunks.
 
 A batch's hashes are grouped by partition, and each partition is read once per batch
 (and held one at a time beyond the LRU). A band partition is held as its keys only; its
@@ -36,25 +37,27 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pairforge.dedup.semantic import assign, normalise
 from pairforge.recaption.cache import CachedCaption
 from pairforge.recaption.cache_index import (
     BAND_SCHEMA,
     EXACT_SCHEMA,
     ORDER,
-    PIN_S,
     VECTOR_SCHEMA,
     band_prefix,
     band_values,
+    cluster_path,
     exact_prefix,
     index_rows,
     last_per_hash,
     list_logs,
     newest_marker,
     part_path,
-    pin,
+    read_centroids,
     read_log,
     vectors_path,
 )
+from pairforge.recaption.cache_pins import PIN_S, pin
 from pairforge.shards.storage import OutputDir
 
 log = logging.getLogger(__name__)
@@ -154,16 +157,33 @@ def _read(folder: OutputDir, path: str, columns: list[str]) -> pa.Table:
                              ).replace_schema_metadata(None)
 
 
+def _take_best(chunk: VectorRows, queries: np.ndarray, asking: np.ndarray,
+               best: list[tuple[float, Order, CachedCaption] | None]) -> None:
+    """Update each asking query's best (highest cosine, the first in log order among
+    equals) with the chunk's vectors."""
+    cosines = chunk.matrix @ queries[asking].T  # (stored, asking)
+    top = np.argmax(cosines, axis=0)  # the first of equals
+    for column, (q, at) in enumerate(zip(asking.tolist(), top.tolist(), strict=True)):
+        score = float(cosines[at, column])
+        order, entry = chunk.entry(at)
+        held = best[q]
+        if held is None or score > held[0] or (score == held[0] and order < held[1]):
+            best[q] = (score, order, entry)
+
+
 class IndexedCaptionCache:
     """The recaption step's view of one identity's cache (see the module doc)."""
 
     def __init__(self, folder: OutputDir | None, phash_distance: int = 0,
                  embedding_threshold: float | None = None,
-                 max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
-        """``folder``: the identity's folder (None: the cache is off, nothing is found)."""
+                 max_bytes: int = DEFAULT_CACHE_BYTES, probes: int = 8) -> None:
+        """``folder``: the identity's folder (None: the cache is off, nothing is found);
+        ``probes``: the vector clusters the embedding tier searches per image."""
         self.folder = folder
         self.phash_distance = phash_distance
         self.embedding_threshold = embedding_threshold
+        self.probes = probes
+        self.centroids: tuple[str, np.ndarray] | None = None  # (generation, centroids)
         there = folder is not None and folder.exists()
         self.marker = newest_marker(folder, phash_distance) if there else None
         self.partitions = PartitionLRU(max_bytes)
@@ -321,32 +341,50 @@ class IndexedCaptionCache:
         rows = list(vectors)
         queries = np.stack([np.asarray(vectors[i], dtype=np.float32) for i in rows])
         best: list[tuple[float, Order, CachedCaption] | None] = [None] * len(rows)
-        for chunk in self._vector_chunks():
-            if not len(chunk.table):
-                continue
-            cosines = chunk.matrix @ queries.T  # (stored, queries)
-            top = np.argmax(cosines, axis=0)  # the first of equals
-            for q, at in enumerate(top.tolist()):
-                score = float(cosines[at, q])
-                order, entry = chunk.entry(at)
-                held = best[q]
-                if held is None or score > held[0] or (score == held[0] and order < held[1]):
-                    best[q] = (score, order, entry)
+        everyone = np.arange(len(rows))
+        for chunk, asking in self._vector_chunks(queries):
+            if len(chunk.table) and len(asking):
+                _take_best(chunk, queries, asking, best)
+        if self.tail is not None:
+            _take_best(self.tail[2], queries, everyone, best)
         return {i: (b[2], "cache_embedding") for i, b in zip(rows, best, strict=True)
                 if b is not None and b[0] >= self.embedding_threshold}
 
-    def _vector_chunks(self) -> Iterator[VectorRows]:
-        """The stored vectors chunk by chunk, in log order (one chunk held at a time,
-        beyond what the LRU keeps), then the tail's."""
-        stored = (self.marker or {}).get("counts", {}).get("vectors", 0)
-        if stored:
+    def _vector_chunks(self, queries: np.ndarray) -> Iterator[tuple[VectorRows, np.ndarray]]:
+        """The stored vectors each query is compared with: the clusters nearest it
+        (``probes`` of them), each read once for the queries that probe it; in a generation
+        from before the clusters, every vector, chunk by chunk."""
+        clusters = (self.marker or {}).get("clusters", 0)
+        if clusters:
+            centroids = self._centroids()
+            probes = min(self.probes, clusters)
+            probed = assign(normalise(queries), centroids, probes=probes).reshape(
+                len(queries), probes)
+            for cluster in np.unique(probed).tolist():
+                asking = np.flatnonzero((probed == cluster).any(axis=1))
+                yield self._cluster(cluster), asking
+        elif (self.marker or {}).get("counts", {}).get("vectors", 0):
             path = vectors_path(self.folder, self.marker)
             with self.folder.fs.open(path, "rb") as f:
                 groups = pq.ParquetFile(f).num_row_groups
             for group in range(groups):
-                yield self._vector_chunk(path, group)
-        if self.tail is not None:
-            yield self.tail[2]
+                yield self._vector_chunk(path, group), np.arange(len(queries))
+
+    def _centroids(self) -> np.ndarray:
+        if self.centroids is None or self.centroids[0] != self.marker["folder"]:
+            self.centroids = (self.marker["folder"], read_centroids(self.folder, self.marker))
+        return self.centroids[1]
+
+    def _cluster(self, cluster: int) -> VectorRows:
+        path = cluster_path(self.folder, self.marker, cluster)
+
+        def load() -> tuple[VectorRows, int]:
+            with self.folder.fs.open(path, "rb") as f:
+                table = pq.read_table(f).replace_schema_metadata(None).cast(VECTOR_SCHEMA)
+            rows = VectorRows(table)
+            return rows, _nbytes(rows)
+
+        return self.partitions.get(("vectors", self.marker["folder"], cluster), load)
 
     def _vector_chunk(self, path: str, group: int) -> VectorRows:
         def load() -> tuple[VectorRows, int]:

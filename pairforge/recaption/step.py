@@ -170,6 +170,8 @@ class RecaptionStep(ModelStep):
         # a detector's keys are recorded only when it grounds: with CLIP grounding, shards
         # have the settings they had before the detector existed
         skip = SERVER_SPEED_KEYS + (DETECTOR_KEYS if rc.grounding.backend == "clip" else ())
+        if rc.cache.embedding_threshold is None:  # the probes matter only with the tier on
+            skip += ("cache.embedding_probes",)
         return Requirements(display=rc.model, sources=recaption_sources(cfg),
                             settings=setting_values(rc, "process.recaption.", skip))
 
@@ -211,7 +213,8 @@ class RecaptionStep(ModelStep):
         self.checked = CheckedCaptioner(rc, cfg.process.clip, self.device)
         # read by lookup, a bounded number of partitions held (recaption/cache_lookup.py)
         self.cache = IndexedCaptionCache(cache_dir(cfg) if rc.cache.enabled else None,
-                                         rc.cache.phash_distance, rc.cache.embedding_threshold)
+                                         rc.cache.phash_distance, rc.cache.embedding_threshold,
+                                         probes=rc.cache.embedding_probes)
         self.embed_tier = rc.cache.enabled and rc.cache.embedding_threshold is not None
         self.embed_source = rc.embedding_source
         # with dedup on, build_scope starts no registry: nothing to look for (nor a Ray to ask)
