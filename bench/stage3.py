@@ -207,10 +207,13 @@ def cache_report(args: Any, work: Path) -> dict[str, Any]:
         report["recaption_actor_peak_rss_mib_before"] = {
             str(r["entries"]): round(r["before"]["peak_rss_mib"], 1) for r in found
             if "before" in r}
-    if args.cache_embedding:
-        embedded = measure_cache(100_000, work, embedding=True, before=args.cache_before)
+    if args.cache_embedding is not None:
+        embedded = [measure_cache(n, work, embedding=True, before=args.cache_before)
+                    for n in args.cache_embedding or [100_000]]
         report["recaption_actor_peak_rss_mib_embedding"] = {
-            "100000": round(embedded["actor"]["peak_rss_mib"], 1)}
+            str(r["entries"]): round(r["actor"]["peak_rss_mib"], 1) for r in embedded}
+        report["embedding_lookup_ms_per_batch"] = {
+            str(r["entries"]): round(r["actor"]["lookup_ms_per_batch"], 1) for r in embedded}
     return report
 
 
@@ -240,8 +243,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--work", type=Path)
     parser.add_argument("--cache-entries", type=int, nargs="*", default=[100_000, 10_000_000])
-    parser.add_argument("--cache-embedding", action="store_true",
-                        help="also the embedding tier, at 10^5 entries")
+    parser.add_argument("--cache-embedding", type=int, nargs="*", metavar="ENTRIES",
+                        help="also the embedding tier, at these sizes (none given: 10^5)")
     parser.add_argument("--cache-before", action="store_true",
                         help="also the whole-load cache (CaptionCache.load), up to 10^6")
     parser.add_argument("--only-cache", action="store_true")

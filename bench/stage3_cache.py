@@ -10,11 +10,13 @@ step's module, builds the step's cache object as its ``__init__`` does
 (``IndexedCaptionCache`` with the default partition bound, ``phash_distance`` 2) and
 answers ``BATCHES`` batches of ``BATCH`` rows: a quarter exact hits, a quarter
 perceptual-hash hits (one bit flipped), half misses. Its peak RSS (getrusage) is
-``recaption_actor_peak_rss_mib``. The embedding tier (``--cache-embedding``) is measured
-at 10^5 entries only, over ``EMBEDDING_BATCHES`` batches: its vectors are scanned whole per
-batch (an exact scan; no inverted-file layout yet), which at 10^7 vectors is neither fast
-nor what an actor would do. ``--cache-before`` measures the whole-load cache
-(``CaptionCache.load``) the same way, up to 10^6 entries.
+``recaption_actor_peak_rss_mib``. The embedding tier (``bench/stage3.py --cache-embedding
+[ENTRIES ...]``, 10^5 by default) is measured over ``EMBEDDING_BATCHES`` batches, a quarter
+of each batch's rows near a stored vector: the index clusters the vectors (an inverted
+file) and each lookup reads the ``embedding_probes`` clusters nearest its vector; the
+vectors are random, so the clusters carry no structure and a batch's probes spread over
+many of them (real image vectors cluster). ``--cache-before`` measures the whole-load
+cache (``CaptionCache.load``) the same way, up to 10^6 entries.
 """
 
 from __future__ import annotations
