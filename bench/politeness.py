@@ -5,6 +5,7 @@ rows are spread over every shard of a run.
     python bench/politeness.py --before           # also each cap with the per-task rule
     python bench/politeness.py --caps 20 --rows 400
     python bench/politeness.py --caps 20 --before --cluster   # 3-node loopback cluster
+    python bench/politeness.py --caps 20 --cluster --kill-node  # a node lost mid-run
 
 Each run is a child process: a loopback HTTP server on 127.0.0.1 (threads; every
 ``/img/<n>.jpg`` is one small JPEG, ``/robots.txt`` and ``/.well-known/tdmrep.json`` allow
@@ -21,8 +22,19 @@ cap again with ``PAIRFORGE_HOST_COORDINATORS=off`` in the workers' environment (
 runtime env): every task applies the cap to itself alone, and each node fetches the
 policy files for itself, as stage 1 did before issue 52.
 
+``--kill-node`` (with ``--cluster``; run-wide runs only): once the server has seen
+``--kill-after`` image requests, a worker node running a shard task is SIGKILLed. Ray
+runs the lost task again; the run's coordinator lives on the head node and is not lost.
+The figures are then the requests per 1-s window around the kill, whether the
+coordinator stayed where it was (alive, never restarted), the image requests over the
+rows (the lost task's rows fetched again by its retry), and the shards'
+``coordinator_fallback`` counts (a task whose lease call went unanswered followed the
+per-task rule). The node is started again after each such run.
+
 Target (issue 52): with a cap of 20, at most 22 requests in every 1-s window after the
-first, and the run completes. Loopback only: the script never sends a request elsewhere.
+first, and the run completes; with a node lost, every row ends with a status and the rate
+stays the cap (the per-task rule, the cap per task, only where the fallback applied).
+Loopback only: the script never sends a request elsewhere.
 """
 
 from __future__ import annotations
@@ -127,6 +139,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                                   "shard_size": -(-spec["rows"] // spec["shards"])},
                         "output": {"path": str(folder / "out")}, "download": download,
                         "ray": ray})
+    loss = NodeLoss(spec, site, cfg.ray) if spec.get("signal") else None
     started = time.time()
     summary = run_download(cfg, RunOptions(show_progress=False))
     seconds = time.time() - started
@@ -135,18 +148,81 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     files = Counter(p for _, p in site.arrivals if p in POLICY_FILES)
     return {**spec, "ok": summary["status"].get("ok", 0), "status": summary["status"],
             "image_requests": len(images), "seconds": round(seconds, 1),
-            "policy_file_requests": dict(files), **windows(images)}
+            "policy_file_requests": dict(files), **windows(images),
+            **(loss.figures(images, folder / "out") if loss else {})}
 
 
-def run_child(spec: dict[str, Any], env_extra: dict[str, str]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **env_extra}
+class NodeLoss:
+    """The child's side of ``--kill-node``: ``ready`` in the signal folder once the site
+    has seen ``kill_after`` image requests (the parent then kills a node and writes
+    ``killed``, its ``time.monotonic()``), and where the run's coordinator lived."""
+
+    def __init__(self, spec: dict[str, Any], site: _Site, ray_cfg: Any) -> None:
+        import ray
+
+        sys.path.insert(0, str(TESTS))
+        from cluster_utils import ActorPlaces
+
+        self.signal = Path(spec["signal"])
+        ray.init(address=spec["address"], logging_level="ERROR", log_to_driver=False,
+                 runtime_env=ray_cfg.runtime_env)
+        self.places = ActorPlaces("pairforge-hosts-")
+        self.site, self.kill_after = site, spec["kill_after"]
+        threading.Thread(target=self._tell, daemon=True).start()
+
+    def _tell(self) -> None:
+        while sum(p.startswith("/img/") for _, p in list(self.site.arrivals)) < self.kill_after:
+            time.sleep(0.05)
+        (self.signal / "ready").touch()
+
+    def figures(self, images: list[float], out: Path) -> dict[str, Any]:
+        places = self.places.stop()
+        killed = self.signal / "killed"
+        killed_at = float(killed.read_text()) if killed.exists() else None
+        fallbacks = sum(counts.get("coordinator_fallback", 0)
+                        for f in out.glob("raw/*_stats.json")
+                        for counts in json.loads(f.read_text())["politeness"].values())
+        return {"kill_window": int(killed_at - min(images)) if killed_at else None,
+                "coordinator_places": [(p["node"][:8], p["state"]) for p in places],
+                "coordinator_fallback": fallbacks}
+
+
+def run_child(spec: dict[str, Any], env_extra: dict[str, str],
+              cluster: Any = None) -> dict[str, Any]:
+    """One run in a child process; with ``cluster`` and ``spec["signal"]``, the node that
+    holds the coordinator is killed mid-run (``NodeLoss``) and started again after."""
+    # bench/ first, then the caller's path (a worktree's checkout stays the one imported)
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                         os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, **env_extra}
     env.pop("RAY_ADDRESS", None)
-    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
-                          capture_output=True, text=True, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode or not lines:
-        raise SystemExit(f"child failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    with subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        killed = _kill_mid_run(cluster, spec, proc) if spec.get("signal") else None
+        out, err = proc.communicate()
+    if killed:
+        cluster.wait_dead(killed)
+        cluster.restart(killed)  # the next run gets its three nodes
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"child failed ({proc.returncode}):\n{err[-3000:]}")
+    return {**json.loads(lines[-1]), "killed": killed}
+
+
+def _kill_mid_run(cluster: Any, spec: dict[str, Any], proc: subprocess.Popen) -> str | None:
+    """Once the child says ``ready``: SIGKILL the first worker node running a shard task."""
+    ready = Path(spec["signal"]) / "ready"
+    while True:
+        if proc.poll() is not None:
+            return None  # the run ended first (too few rows for --kill-after)
+        busy = [n for n in list(cluster.started)[1:]
+                if cluster.running(n, "ray::_download_task")] if ready.exists() else []
+        if busy:
+            break
+        time.sleep(0.05)
+    cluster.started[busy[0]].kill()
+    (Path(spec["signal"]) / "killed").write_text(repr(time.monotonic()))
+    return busy[0]
 
 
 def main() -> None:
@@ -159,12 +235,18 @@ def main() -> None:
                         help="also run each cap with the per-task rule (before issue 52)")
     parser.add_argument("--cluster", action="store_true",
                         help="on a 3-node loopback cluster (tests/cluster_utils.py)")
+    parser.add_argument("--kill-node", action="store_true",
+                        help="with --cluster: kill a worker node mid-run")
+    parser.add_argument("--kill-after", type=int, default=60,
+                        help="image requests the server sees before the kill")
     parser.add_argument("--child", help=argparse_hidden())
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
     if not args.cluster:
+        if args.kill_node:
+            raise SystemExit("--kill-node needs --cluster")
         runs(args, None, {})
         return
     sys.path.insert(0, str(TESTS))
@@ -182,18 +264,22 @@ def main() -> None:
 
     with Nodes({"head": (1, {}), "node2": (1, {}), "node3": (1, {})}) as cluster:
         print(f"3-node loopback cluster at {cluster.address}", flush=True)
-        runs(args, cluster.address, cluster.driver_env)
+        runs(args, cluster.address, cluster.driver_env, cluster)
 
 
-def runs(args: Any, address: str | None, env: dict[str, str]) -> None:
+def runs(args: Any, address: str | None, env: dict[str, str], cluster: Any = None) -> None:
     """Every cap of ``args``, with the per-task rule first where ``--before`` asks."""
     caps = [None if c == "none" else float(c) for c in args.caps.split(",")]
     for cap in caps:
         # a cap of 5 over 400 rows would take 80 s: its figures are the same at 200
         rows = min(args.rows, 200) if cap is not None and cap < 10 else args.rows
         for before in ([True, False] if args.before else [False]):
-            result = run_child({"cap": cap, "rows": rows, "shards": args.shards,
-                                "before": before, "address": address}, env)
+            spec = {"cap": cap, "rows": rows, "shards": args.shards, "before": before,
+                    "address": address}
+            if args.kill_node and not before:
+                spec.update(signal=tempfile.mkdtemp(prefix="pf-kill-"),
+                            kill_after=args.kill_after)
+            result = run_child(spec, env, cluster)
             rule = "per-task rule" if before else "run-wide"
             where = "3 nodes" if address else "local Ray"
             print(f"{where}, cap {cap or 'none'} ({rule}): {result['ok']}/{rows} ok in "
@@ -202,6 +288,12 @@ def runs(args: Any, address: str | None, env: dict[str, str]) -> None:
                   f"{result['busiest_after_first']}, sliding {result['busiest_sliding']}); "
                   f"policy files requested {result['policy_file_requests']}; per second "
                   f"{result['per_second']}", flush=True)
+            if "kill_window" in result:
+                print(f"  node {result['killed']} killed in window {result['kill_window']}; "
+                      f"coordinator (node, state) {result['coordinator_places']}; "
+                      f"{result['image_requests']} image requests for {rows} rows; "
+                      f"coordinator_fallback {result['coordinator_fallback']}; "
+                      f"status {result['status']}", flush=True)
 
 
 def argparse_hidden() -> str:

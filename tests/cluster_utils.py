@@ -410,6 +410,53 @@ def _probe_placement(address: str) -> dict[str, list[dict[str, Any]]]:
     return {"tasks": tasks, "actors": actors}
 
 
+
+# ---------------------------------------- for a driver joined to a LocalCluster (ray.init)
+
+class ActorPlaces:
+    """Where the actors named ``prefix``... that are made after this starts live, from the
+    GCS's actor table every ``interval`` s, in a thread: ``places`` lists each change of
+    an actor's (node, state) with the ``time.monotonic()`` it was seen (one clock for
+    every process of the machine, so a test can compare it with its own)."""
+
+    def __init__(self, prefix: str, interval: float = 0.1) -> None:
+        import threading
+
+        self.prefix = prefix
+        self.interval = interval
+        self.places: list[dict[str, Any]] = []
+        self._earlier = {a["ActorID"] for a in self._actors()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _actors(self) -> list[dict[str, Any]]:
+        from ray._private.state import state
+
+        return [a for a in state.actor_table(None).values()
+                if (a["Name"] or "").startswith(self.prefix)]
+
+    def _watch(self) -> None:
+        last: dict[str, tuple[str, str]] = {}
+        while not self._stop.is_set():
+            for actor in self._actors():
+                place = (actor["Address"]["NodeID"], actor["State"])
+                if actor["ActorID"] in self._earlier or last.get(actor["ActorID"]) == place:
+                    continue
+                last[actor["ActorID"]] = place
+                self.places.append({"name": actor["Name"], "node": place[0],
+                                    "state": place[1], "at": time.monotonic()})
+            self._stop.wait(self.interval)
+
+    def first_alive(self) -> dict[str, Any] | None:
+        return next((p for p in list(self.places) if p["state"] == "ALIVE"), None)
+
+    def stop(self) -> list[dict[str, Any]]:
+        self._stop.set()
+        self._thread.join()
+        return self.places
+
+
 if __name__ == "__main__":
     kind, cluster_address = sys.argv[1], sys.argv[2]
     probe = {"nodes": _probe_nodes, "placement": _probe_placement}[kind]

@@ -8,12 +8,15 @@ zero-CPU, single-threaded actor holding a ``HostBook`` and a ``FileStore``
 (``download/host_coordinator.py``): per-host state for hosts with live leases only, and
 a byte-bounded cache of the origins' robots.txt and tdmrep.json.
 
-They are detached (a task's worker, their maker, may end before the run) and restarted by
-Ray when they die (``max_restarts=-1``: a killed actor or a lost node); a restarted one
-starts empty and the tasks take leases again, while the per-task rule covers the gap
-(``download/host_leases.py``). The stage's driver removes them when the run ends
-(:func:`end_run`, through ``consent.remove_cache``); one that no call reached for
-``IDLE_EXIT_S`` ends itself (a driver that died, a task run outside the stage).
+They live on Ray's head node (``HEAD_RESOURCE``), as the progress counter lives beside
+the driver, so a worker node lost mid-run takes none of them: its shard tasks are retried
+by Ray and take leases like any other. They are detached (a task's worker, their maker,
+may end before the run) and restarted by Ray when they die (``max_restarts=-1``: a killed
+actor); a restarted one starts empty and the tasks take leases again, while the per-task
+rule covers the gap (``download/host_leases.py``). The stage's driver removes them when
+the run ends (:func:`end_run`, through ``consent.remove_cache``); one that no call
+reached for ``IDLE_EXIT_S`` ends itself (a driver that died, a task run outside the
+stage).
 
 ``PAIRFORGE_HOST_COORDINATORS=off`` in the workers' environment makes every task follow
 the per-task rule (bench/politeness.py's "before" figures; an escape hatch, never needed
@@ -44,6 +47,10 @@ MAKE_TIMEOUT_S = 60.0  # the first call waits for the actor's process to start
 EXCHANGE_TIMEOUT_S = 1.0
 CPUS_PER_COORDINATOR = 64  # one coordinator per this many cluster CPUs, 1 to 8
 MAX_COORDINATORS = 8
+# the resource only Ray's head node has: Ray places a zero-CPU actor on a node it draws
+# at random; on the head, whose loss ends the cluster anyway, no worker node lost mid-run
+# takes a coordinator with it
+HEAD_RESOURCE = "node:__internal_head__"
 
 
 class HostCoordinator:
@@ -116,7 +123,8 @@ class RayLink:
         if handle is None:
             handle = ray.remote(HostCoordinator).options(
                 name=f"pairforge-hosts-{self.run_id}-{shard}", namespace=NAMESPACE,
-                lifetime="detached", get_if_exists=True, num_cpus=0, max_restarts=-1,
+                lifetime="detached", get_if_exists=True, num_cpus=0,
+                resources={HEAD_RESOURCE: 0.001}, max_restarts=-1,
                 max_concurrency=1).remote(self.limits,
                                           coordinator_count() if shard == 0 else self.shards)
             self._handles[shard] = handle
