@@ -142,12 +142,12 @@ def test_losing_a_node_mid_run_keeps_the_coordinator_and_loses_no_row(ray_cluste
         assert max(t for t, p in arrivals if p == path) > killed_at
 
     # the coordinator lived on the head through the run, the loss included: never lost,
-    # never restarted (the stage removes it after the last task)
+    # never restarted (the stage removes it after the last task: dead, if seen in time)
     head = ray_cluster.started["head"].node_id
     places = result["coordinator"]
     lived = [(p["node"], p["state"]) for p in places
              if p["state"] in ("ALIVE", "RESTARTING", "DEAD")]  # not the steps of its making
-    assert lived == [(head, "ALIVE")], places
+    assert lived in ([(head, "ALIVE")], [(head, "ALIVE"), (head, "DEAD")]), places
 
     # the rate: the run-wide cap (+1 for a window's edge), the loss included; only a task
     # whose lease call went unanswered follows the per-task rule (the cap for itself
