@@ -183,7 +183,7 @@ class NodeLoss:
                         for f in out.glob("raw/*_stats.json")
                         for counts in json.loads(f.read_text())["politeness"].values())
         return {"kill_window": int(killed_at - min(images)) if killed_at else None,
-                "coordinator_places": [(p["node"][:8], p["state"]) for p in places],
+                "coordinator_places": [(p["node"], p["state"]) for p in places],
                 "coordinator_fallback": fallbacks}
 
 
@@ -200,13 +200,18 @@ def run_child(spec: dict[str, Any], env_extra: dict[str, str],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         killed = _kill_mid_run(cluster, spec, proc) if spec.get("signal") else None
         out, err = proc.communicate()
+    names = {n.node_id: name for name, n in cluster.started.items()} if cluster else {}
     if killed:
         cluster.wait_dead(killed)
         cluster.restart(killed)  # the next run gets its three nodes
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         raise SystemExit(f"child failed ({proc.returncode}):\n{err[-3000:]}")
-    return {**json.loads(lines[-1]), "killed": killed}
+    result = json.loads(lines[-1])
+    if "coordinator_places" in result:  # node names, where the nodes were this run's
+        result["coordinator_places"] = [(names.get(node, node), state)
+                                        for node, state in result["coordinator_places"]]
+    return {**result, "killed": killed}
 
 
 def _kill_mid_run(cluster: Any, spec: dict[str, Any], proc: subprocess.Popen) -> str | None:
