@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import host_node_loss
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
@@ -215,3 +216,8 @@ def _npy(data: bytes) -> Any:
 
     return np.load(io.BytesIO(data))
 
+
+def test_losing_a_node_mid_stage_1_keeps_the_host_coordinator_and_loses_no_row(ray_cluster,
+                                                                               tmp_path):
+    """Issue 52's node fault, on this file's cluster (tests/host_node_loss.py)."""
+    host_node_loss.losing_a_node_mid_run(ray_cluster, tmp_path)

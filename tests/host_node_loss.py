@@ -1,6 +1,8 @@
 """Stage 1 losing a node mid-run while its hosts take leases from the run's coordinators
 (issue 52's fault target, the node case; the coordinator-killed case is
-tests/test_host_coordinator.py's).
+tests/test_host_coordinator.py's). Collected in tests/test_cluster.py, which imports the
+test, so that it shares that file's worker and its 3-node cluster (a second cluster in
+another xdist worker would cost a minute of start).
 
 On the 3-node loopback cluster (``ray_cluster``), one loopback host's rows spread over
 every shard, ``per_host_requests_per_s`` 10. A driver process (this file run as a
@@ -29,10 +31,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import pytest
 from loopback_server import LoopbackServer, make_images
-
-pytestmark = pytest.mark.slow
 
 CAP = 10  # requests a second for the host, the whole run
 ROWS, SHARD_SIZE = 90, 10
@@ -74,8 +73,8 @@ def _wait_for(condition: Any, seconds: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_losing_a_node_mid_run_keeps_the_coordinator_and_loses_no_row(ray_cluster,
-                                                                      tmp_path):
+def losing_a_node_mid_run(ray_cluster: Any, tmp_path: Path) -> None:
+    """The test (tests/test_cluster.py runs it, last of that file's)."""
     alive = ray_cluster.alive_nodes()
     for name in ("gpu", "cpu"):  # test_cluster.py leaves "cpu" dead for later users
         if name not in alive:
