@@ -465,7 +465,7 @@ class RecaptionCacheConfig(Strict):
         "own vision encoder (transformers backend); clip: the clip section's model; auto: "
         "captioner for the transformers backend, clip for a server")
     embedding_probes: int = Field(
-        8, ge=1, description="clusters of the stored vectors (about 4,096 vectors each) the "
+        8, ge=1, description="clusters of the stored vectors (about 1,024 vectors each) the "
         "embedding tier searches per image, the nearest first: more find more of the near "
         "captions an exact search would, at more cost; a cache of at most this many "
         "clusters is searched whole")

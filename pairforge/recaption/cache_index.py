@@ -12,7 +12,8 @@ index generation does not hold into a new generation under ``CACHE/IDENTITY/inde
   the band's hash, in log order;
 - ``gen-NNNNNN-TOKEN/vectors/part-C.parquet``: the stored vectors of entries the
   embedding tier may serve, by cluster ``C`` (the nearest of ``centroids.npy``: spherical
-  k-means, ``dedup/semantic.py``'s, about ``VECTOR_ROWS_PER_CLUSTER`` vectors a cluster),
+  k-means, ``dedup/semantic.py``'s, about ``VECTOR_ROWS_PER_CLUSTER`` vectors a cluster,
+  at most ``MAX_CLUSTERS``),
   in log order; a lookup searches the clusters nearest its vector (an inverted-file
   layout), so its cost follows the probes, not the vectors stored. The centroids are
   trained at a rebuild on a bounded sample and kept by the generations that extend it,
@@ -84,7 +85,8 @@ from pairforge.shards.storage import OutputDir, atomic_writer
 EXACT_ROWS_PER_PART = 1 << 13
 BAND_ROWS_PER_PART = 1 << 14
 VECTOR_CHUNK_ROWS = 1 << 12  # rows a legacy generation's vectors.parquet is read by
-VECTOR_ROWS_PER_CLUSTER = 1 << 12
+VECTOR_ROWS_PER_CLUSTER = 1 << 10  # a probe reads ~1 MiB of 256-d vectors
+MAX_CLUSTERS = 1 << 12  # the k-means of a rebuild stays minutes at 10^7 vectors
 CENTROID_SAMPLE = 1 << 16  # vectors the k-means of a rebuild trains on, at most
 RECLUSTER_GROWTH = 4  # vectors grown this many times since their clustering: rebuild
 CLUSTERS_PER_MERGE = 64  # vector clusters a merge task writes
@@ -258,9 +260,9 @@ def with_layout(plan: Compaction, rows: dict[str, int]) -> Compaction:
             size = 0
         units[-1].append(name)
         size += rows[name]
-    clusters, clustered_for = ((previous["clusters"], previous["clustered_for"])
-                               if not plan.trains else
-                               (default_clusters(new_rows, VECTOR_ROWS_PER_CLUSTER), new_rows))
+    trained = default_clusters(new_rows, VECTOR_ROWS_PER_CLUSTER, MAX_CLUSTERS)
+    clusters, clustered_for = ((trained, new_rows) if plan.trains
+                               else (previous["clusters"], previous["clustered_for"]))
     return replace(plan, units=units, exact_bits=exact_bits, bands_bits=bands_bits,
                    new_rows=new_rows, clusters=clusters, clustered_for=clustered_for)
 
