@@ -232,9 +232,17 @@ class LocalCluster:
 
     def restart(self, name: str, timeout: float = 120) -> None:
         """Start a worker node again under the same name (after ``kill``); other nodes
-        killed before stay dead."""
-        self._spawn(name, head=False)
-        self._wait_alive([name], timeout)
+        killed before stay dead. A second try, as in ``start``: on a loaded machine a raylet
+        can miss `ray start`'s fixed 30 s registration deadline (seen in CI's logs: "The
+        current node timed out during startup")."""
+        for attempt in (1, 2):
+            self._spawn(name, head=False)
+            try:
+                self._wait_alive([name], timeout)
+                return
+            except RuntimeError:
+                if attempt == 2:
+                    raise
 
     def running(self, name: str, title: str) -> bool:
         """Whether a worker process of node ``name`` is executing ``title`` right now (Ray

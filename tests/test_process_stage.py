@@ -329,7 +329,7 @@ def test_resume_after_sigkill_gives_same_output(tmp_path, coco_raw, tiny_clip, r
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("hold_last_shard.py")),
                              "process", str(cfg_path), "-q"], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 420  # a slow start on a loaded host is not a failure
     while not list((killed / "shards").glob("*_stats.json")):
         assert proc.poll() is None, proc.stderr.read().decode()
         assert time.monotonic() < deadline

@@ -128,6 +128,17 @@ def _first_and_last_line(message: str) -> str:
     return " ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else ""
 
 
+def answered(answer: Answer) -> Answer:
+    """The answer, or 503 when the captioning server gave none for this upload: only this
+    request fails, not the others its batch was merged with. Defined before the ingress:
+    Serve ships the class with the module globals it finds when it is decorated."""
+    failure = answer.failure()
+    if failure is not None:
+        raise RequestError(503, "backend_unavailable", failure,
+                           {"Retry-After": str(RETRY_AFTER_S)})
+    return answer
+
+
 @serve.deployment(name=INGRESS_DEPLOYMENT)
 @serve.ingress(api)
 class CaptionIngress:
@@ -309,16 +320,6 @@ class CaptionIngress:
                                {"Retry-After": str(RETRY_AFTER_S)})
         self.metrics.cache_entries.set(reply.cache_entries)
         return reply.answers
-
-
-def answered(answer: Answer) -> Answer:
-    """The answer, or 503 when the captioning server gave none for this upload: only this
-    request fails, not the others its batch was merged with."""
-    failure = answer.failure()
-    if failure is not None:
-        raise RequestError(503, "backend_unavailable", failure,
-                           {"Retry-After": str(RETRY_AFTER_S)})
-    return answer
 
 
 def model_options(s: ServeConfig, rc: RecaptionConfig) -> dict[str, Any]:
