@@ -8,8 +8,19 @@ t2i/i2t; `pairforge train` trains the same small model per arm; each run then dr
 held-out prompts with classifier-free guidance and captions held-out images, and the judge
 scores both (pairforge/scenes/evaluate.py, the code behind `pairforge eval`).
 
-Arms, all on the same images and image-token budget:
+Arms, all on the same image-token budget (samples seen, as DataComp fixes it), and on
+the same images except the filtered arm:
   captions  noisy alt-text (tasks.caption original) / recaptioned / oracle (exact captions)
+            / clip-top30: the alt-text filtered at DataComp's recipe, the top 30 % by the
+            world CLIP's score of the alt-text (process.clip mode top_fraction), so ~30 % of
+            the images seen ~3x as often / mixed-80-20: the recaption for a seeded 80 % of
+            rows and the alt-text for the rest, as Recap-CLIP (tasks.caption mix,
+            recaption_share 0.8; a junk alt-text drawn falls back to the recaption)
+            No image-based arm (DataComp's step, intersected with the CLIP filter, keeps
+            the pool's images whose embedding clusters near ImageNet's): every image of the
+            world is drawn from the evaluation's own distribution, so the step's target is
+            either the training scenes (it keeps every cluster: the CLIP arm again) or the
+            held-out ones (it selects on the test set); see bench/RESULTS.md.
   recipe    replacement vs baseline at p_drop 0.3 (and 0.1), mixed vs staged
   plot      adherence against the alt-text corruption share 0, 0.25, 0.5, 0.75
 
@@ -26,10 +37,12 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -88,11 +101,51 @@ def train_text_tokenizer(work: Path, train: list) -> Path:
 
 
 # ---------------------------------------------------------------------------- builds
-def build(work: Path, name: str, table: Path, recaption: bool, p_drop: float,
-          shard_size: int, text: Path) -> tuple[Path, float]:
+class Build(NamedTuple):
+    """One build of the world: the alt-text's wrong share, whether it recaptions, the
+    t2i/i2t p_drop, and optionally the training caption (tasks.caption; default recaption
+    when recaptioning, else original) with its mix share, and a CLIP filter keeping the
+    top ``clip_top`` of the scored rows by the world CLIP."""
+
+    share: float
+    recaption: bool
+    p_drop: float
+    caption: str | None = None
+    recaption_share: float | None = None
+    clip_top: float | None = None
+
+
+def clip_filter(top: float) -> dict[str, Any]:
+    """process.clip: DataComp's CLIP-score filter with the world CLIP (examples/demo.yaml)."""
+    clip = SAMPLE / "clip"
+    return {"enabled": True, "model": "pf-scenes-clip",
+            "pretrained": str(clip / "clip.safetensors"),
+            "model_config_path": str(clip / "pf-scenes-clip.json"), "batch_size": 256,
+            "mode": "top_fraction", "top_fraction": top}
+
+
+def build(work: Path, name: str, table: Path, spec: Build, shard_size: int,
+          text: Path) -> tuple[Path, float]:
     out = work / "builds" / name
     if (out / "manifest.json").exists():
         return out, 0.0
+    config = build_config(work, out, table, spec, shard_size, text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out.parent / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    started = time.perf_counter()
+    pairforge_cli("build", str(out.parent / f"{name}.yaml"), "-q")
+    return out, time.perf_counter() - started
+
+
+def build_config(work: Path, out: Path, table: Path, spec: Build, shard_size: int,
+                 text: Path) -> dict[str, Any]:
+    """The build's config; the keys a Build leaves unset are not written, so the caption
+    arms' configs (and their digests) stay those of the recorded runs."""
+    recaption = spec.recaption
+    tasks: dict[str, Any] = {"p_drop": spec.p_drop, "caption": spec.caption or (
+        "recaption" if recaption else "original")}
+    if spec.recaption_share is not None:
+        tasks["recaption_share"] = spec.recaption_share
     config = {
         "input": {"path": str(table), "format": "csv", "shard_size": shard_size},
         "output": {"path": str(out)},
@@ -113,16 +166,15 @@ def build(work: Path, name: str, table: Path, recaption: bool, p_drop: float,
             "tokenize": {"enabled": True, "batch_size": 64,
                          "image": {"backend": "pairforge-vq", "path_or_id": str(SAMPLE / "vq32")},
                          "text": {"backend": "hf", "path_or_id": str(text)}},
-            "tasks": {"p_drop": p_drop, "caption": "recaption" if recaption else "original"}}}
-    out.mkdir(parents=True, exist_ok=True)
-    (out.parent / f"{name}.yaml").write_text(yaml.safe_dump(config))
-    started = time.perf_counter()
-    pairforge_cli("build", str(out.parent / f"{name}.yaml"), "-q")
-    return out, time.perf_counter() - started
+            "tasks": tasks}}
+    if spec.clip_top is not None:
+        config["process"]["clip"] = clip_filter(spec.clip_top)
+    return config
 
 
 def caption_quality(out: Path, train: list) -> dict[str, Any]:
-    """Rows kept, and the share of training captions stating their scene exactly."""
+    """Rows kept, the training rows (images) kept and where their captions came from, and
+    the share of training captions stating their scene exactly."""
     import pyarrow.parquet as pq
 
     from pairforge.scenes.world import parse_caption
@@ -135,7 +187,9 @@ def caption_quality(out: Path, train: list) -> dict[str, Any]:
         text = r["recaption"] if r.get("caption_source") == "recaption" else r["caption"]
         truth = train[int(r["url"].rsplit("/t", 1)[1][:5])]
         right += parse_caption(text or "") == truth.attributes()
+    sources = Counter(r.get("caption_source") or "none" for r in ok)
     return {"rows": len(rows), "ok_train_rows": len(ok),
+            "caption_sources": dict(sorted(sources.items())),
             "training_caption_exact": right / max(1, len(ok))}
 
 
@@ -157,6 +211,15 @@ def train_run(work: Path, shards: Path, name: str, recipe: str, schedule: str, s
         pairforge_cli("train", str(out / "train.yaml"))
     report = json.loads((out / "report.json").read_text())
     return {"run": str(out), "report": report}
+
+
+def passes(report: dict[str, Any]) -> float:
+    """How many times the run saw its training shards: image tokens trained over the image
+    tokens the train shards hold (every arm trains the same steps, so a filtered arm sees
+    its fewer images more often)."""
+    budget = report["budget"]
+    held = sum(t.get("image_tokens", 0) for t in budget["manifest_train_shards"].values())
+    return budget["image_tokens"] / held
 
 
 def measure(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -224,8 +287,9 @@ def colour(arm: dict[str, Any]) -> str:
 
 def table(result: dict[str, Any]) -> str:
     head = ("| arm | seeds | adherence (all) | colour+shape | colour | guidance per seed | "
-            "L_I\\|T | L_I\\|∅ | L_T\\|I | L_T | caption accuracy | training captions exact |")
-    lines = [head, "|" + "---|" * 12]
+            "L_I\\|T | L_I\\|∅ | L_T\\|I | L_T | caption accuracy | training captions exact | "
+            "training images | passes |")
+    lines = [head, "|" + "---|" * 14]
     for group in ("arms", "recipe"):
         for name, arm in result[group].items():
             lines.append(f"| {group}/{name} | {arm['seeds']} | {fmt(arm, 'adherence')} | "
@@ -233,7 +297,8 @@ def table(result: dict[str, Any]) -> str:
                          f"{' / '.join(f'{c:g}' for c in arm['cfg_scale_per_seed'])} | "
                          + " | ".join(fmt(arm, k) for k in LOSSES)
                          + f" | {fmt(arm, 'caption_accuracy')} | "
-                         f"{arm.get('training_caption_exact', float('nan')):.3f} |")
+                         f"{arm.get('training_caption_exact', float('nan')):.3f} | "
+                         f"{arm.get('training_images', '-')} | {arm.get('passes', 0):.1f} |")
     return "\n".join(lines)
 
 
@@ -278,20 +343,23 @@ def with_profile(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def plan(quick: bool) -> tuple[dict, dict]:
-    """builds: name -> (alt-text share, recaption, p_drop); runs: group/arm -> (build,
-    recipe, schedule)."""
-    builds = {"noisy": (0.5, False, 0.3), "recaption": (0.5, True, 0.3),
-              "oracle": (0.0, False, 0.3)}
+def plan(quick: bool) -> tuple[dict[str, Build], dict]:
+    """builds: name -> Build; runs: group/arm -> (build, recipe, schedule)."""
+    builds = {"noisy": Build(0.5, False, 0.3), "recaption": Build(0.5, True, 0.3),
+              "oracle": Build(0.0, False, 0.3)}
     runs = {"arms/noisy": ("noisy", "replacement", "mixed"),
             "arms/recaption": ("recaption", "replacement", "mixed"),
             "arms/oracle": ("oracle", "replacement", "mixed"),
             "recipe/replacement": ("recaption", "replacement", "mixed"),
             "recipe/baseline": ("recaption", "baseline", "mixed")}
     if not quick:
-        builds |= {"recaption-p0.1": (0.5, True, 0.1), "share0.25": (0.25, False, 0.3),
-                   "share0.75": (0.75, False, 0.3)}
-        runs |= {"recipe/replacement-p0.1": ("recaption-p0.1", "replacement", "mixed"),
+        builds |= {"recaption-p0.1": Build(0.5, True, 0.1),
+                   "share0.25": Build(0.25, False, 0.3), "share0.75": Build(0.75, False, 0.3),
+                   "clip-top30": Build(0.5, False, 0.3, clip_top=0.3),
+                   "mixed-80-20": Build(0.5, True, 0.3, caption="mix", recaption_share=0.8)}
+        runs |= {"arms/clip-top30": ("clip-top30", "replacement", "mixed"),
+                 "arms/mixed-80-20": ("mixed-80-20", "replacement", "mixed"),
+                 "recipe/replacement-p0.1": ("recaption-p0.1", "replacement", "mixed"),
                  "recipe/baseline-p0.1": ("recaption-p0.1", "baseline", "mixed"),
                  "recipe/staged": ("recaption", "replacement", "staged"),
                  "corruption/0.25": ("share0.25", "replacement", "mixed"),
@@ -299,9 +367,12 @@ def plan(quick: bool) -> tuple[dict, dict]:
     return builds, runs
 
 
-def without(builds: dict, runs: dict, skip: set[str]) -> tuple[dict, dict]:
-    """The plan less the skipped arms and the builds only they used."""
-    runs = {key: run for key, run in runs.items() if key not in skip}
+def without(builds: dict, runs: dict, skip: set[str],
+            only: set[str] | None = None) -> tuple[dict, dict]:
+    """The plan less the skipped arms (and those not in ``only``, when given) and the builds
+    only they used."""
+    runs = {key: run for key, run in runs.items()
+            if key not in skip and (not only or key in only)}
     return {name: b for name, b in builds.items() if any(r[0] == name for r in runs.values())}, runs
 
 
@@ -329,6 +400,8 @@ def main() -> None:
                         "comma-separated, to fit a time budget (the table says each arm's seeds)")
     parser.add_argument("--skip", default="", help="arms not to run, comma-separated "
                         "(e.g. recipe/baseline-p0.1); the plot needs arms/ and corruption/")
+    parser.add_argument("--only", default="", help="run only these arms, comma-separated "
+                        "(e.g. arms/clip-top30,arms/recaption)")
     parser.add_argument("--junk", type=float, default=0.02,
                         help="share of the training alt-text that is web junk (empty, a file "
                         "name, boilerplate); 0.02 made the recorded figures, the demo's "
@@ -338,6 +411,10 @@ def main() -> None:
     args = with_profile(parser.parse_args())
     args.cfg_scales = [float(x) for x in args.cfg_scales.split(",")]
     args.skip = {arm for arm in args.skip.split(",") if arm}
+    args.only = {arm for arm in args.only.split(",") if arm}
+    unknown = (args.skip | args.only) - set(plan(quick=False)[1])
+    if unknown:  # a misspelt arm would silently run (--skip) or run nothing (--only)
+        parser.error(f"no such arm: {', '.join(sorted(unknown))}")
     args.one_seed = {arm for arm in args.one_seed.split(",") if arm}
     work = args.work or Path(tempfile.mkdtemp(prefix="pairforge-ablation-"))
     import torch
@@ -354,35 +431,53 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=1))
 
 
+def train_and_measure(work: Path, built: dict[str, Any], jobs: list[tuple],
+                      args: argparse.Namespace) -> dict[tuple, dict[str, Any]]:
+    """Each job (build, recipe, schedule, seed) trained in its own process, ``--parallel``
+    at once, and measured here as soon as it is trained, one measure at a time: a slot
+    measures instead of training, so no more than ``--parallel`` runs use the CPU, and
+    every finished run is measured (measured.json) even if a later one fails."""
+    one_at_a_time = threading.Lock()
+
+    def job_done(job: tuple) -> dict[str, Any]:
+        name, recipe, schedule, seed = job
+        run = train_run(work, built[name]["path"], "-".join(job[:3]), recipe, schedule,
+                        seed, args)
+        with one_at_a_time:
+            return {**measure(run, args), "passes": passes(run["report"])}
+
+    with ThreadPoolExecutor(args.parallel) as pool:  # each training run is its own process
+        return dict(zip(jobs, pool.map(job_done, jobs), strict=True))
+
+
 def run_all(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     from pairforge.download.folder_server import serve_directory
 
     train, held = write_site(work, args.train, args.heldout)
     text = train_text_tokenizer(work, train)
-    builds, runs = without(*plan(args.quick), args.skip)
+    builds, runs = without(*plan(args.quick), args.skip, args.only)
     shard_size = args.heldout  # the held-out scenes fill exactly the last shard
     if args.train % shard_size:
         raise SystemExit(f"--train ({args.train}) must be a multiple of --heldout ({shard_size})")
     built: dict[str, Any] = {}
     with serve_directory(work / "site") as base_url:
-        for name, (share, recaption, p_drop) in builds.items():
-            table_path = write_input(work, base_url, train, held, share, args.junk)
-            out, seconds = build(work, name, table_path, recaption, p_drop, shard_size, text)
+        for name, spec in builds.items():
+            table_path = write_input(work, base_url, train, held, spec.share, args.junk)
+            out, seconds = build(work, name, table_path, spec, shard_size, text)
             built[name] = {"path": out, "seconds": round(seconds, 1),
                            **caption_quality(out, train)}
-            log(f"build {name}: {seconds:.0f} s, {built[name]['ok_train_rows']} training rows, "
-                f"training captions exact {built[name]['training_caption_exact']:.3f}")
+            log(f"build {name}: {seconds:.0f} s, {built[name]['ok_train_rows']} training rows "
+                f"({built[name]['caption_sources']}), training captions exact "
+                f"{built[name]['training_caption_exact']:.3f}")
     result: dict[str, Any] = {"arms": {}, "recipe": {}, "corruption": {},
                               "builds": {k: {**v, "path": str(v["path"])}
                                          for k, v in built.items()}}
     seeds = {key: 1 if key in args.one_seed else args.seeds for key in runs}
-    jobs = {(name, recipe, schedule, seed) for key, (name, recipe, schedule) in runs.items()
-            for seed in range(seeds[key])}
-    with ThreadPoolExecutor(args.parallel) as pool:  # each run is its own process
-        trained = dict(zip(sorted(jobs), pool.map(
-            lambda job: train_run(work, built[job[0]]["path"], "-".join(job[:3]), job[1],
-                                  job[2], job[3], args), sorted(jobs)), strict=True))
-    measured = {job: measure(run, args) for job, run in trained.items()}
+    # in the plan's order (an arm's seeds side by side); arms sharing a run train it once
+    jobs = list(dict.fromkeys((name, recipe, schedule, seed)
+                              for key, (name, recipe, schedule) in runs.items()
+                              for seed in range(seeds[key])))
+    measured = train_and_measure(work, built, jobs, args)
     for key, (name, recipe, schedule) in runs.items():
         per_seed = [measured[(name, recipe, schedule, seed)] for seed in range(seeds[key])]
         for seed, m in enumerate(per_seed):
@@ -392,7 +487,12 @@ def run_all(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         group, arm = key.split("/")
         result[group][arm] = {**summarise(per_seed), "build": name, "recipe": recipe,
                               "cfg_scale_per_seed": [m["cfg_scale"] for m in per_seed],
+                              "adherence_per_seed": [m["adherence"] for m in per_seed],
+                              "caption_accuracy_per_seed": [m["caption_accuracy"]
+                                                            for m in per_seed],
                               "schedule": schedule,
+                              "training_images": built[name]["ok_train_rows"],
+                              "caption_sources": built[name]["caption_sources"],
                               "training_caption_exact": built[name]["training_caption_exact"]}
     plotted = {"oracle", "noisy", "recaption"} <= set(result["arms"]) and result["corruption"]
     if not args.quick and plotted:

@@ -63,8 +63,9 @@ def test_skipped_arms_take_their_builds_with_them(ablation):
     builds, runs = ablation.without(*ablation.plan(quick=False),
                                     {"recipe/replacement-p0.1", "recipe/baseline-p0.1"})
     assert "recaption-p0.1" not in builds and "recipe/replacement-p0.1" not in runs
-    assert {"noisy", "recaption", "oracle", "share0.25", "share0.75"} == set(builds)
-    assert len(runs) == 8  # 3 caption arms, 2 recipe at p_drop 0.3, staged, 2 corruption
+    assert {"noisy", "recaption", "oracle", "share0.25", "share0.75", "clip-top30",
+            "mixed-80-20"} == set(builds)
+    assert len(runs) == 10  # 5 caption arms, 2 recipe at p_drop 0.3, staged, 2 corruption
 
 
 def test_profiles_fill_only_unset_settings(ablation):
