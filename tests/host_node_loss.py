@@ -123,7 +123,9 @@ def losing_a_node_mid_run(ray_cluster: Any, tmp_path: Path) -> None:
                 ray_cluster.restart(killed)
         arrivals = [(t, p) for t, p in site.arrivals if p.startswith("/n/")]
     assert driver.returncode == 0, output.get("err", "")[-4000:]
-    result = json.loads(output["out"].strip().splitlines()[-1])
+    # the driver's result line; Ray may print its own lines (a raylet's) after it
+    result = json.loads(next(line for line in reversed(output["out"].splitlines())
+                             if line.startswith('{"summary"')))
 
     # every row ends with a status, as an uninterrupted run ends it; nothing half written
     assert result["summary"]["status"] == {"ok": ROWS}
