@@ -76,6 +76,18 @@ def ray_env(ray_local: None) -> dict[str, str]:
     return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
 
 
+@pytest.fixture(scope="module")
+def ablation() -> Any:
+    """bench/ablation.py as a module (the ablation tests check its plan and configs)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "ablation.py"
+    spec = importlib.util.spec_from_file_location("ablation", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def download_raw(root: Path, rows: list[tuple[str, str]], shard_size: int) -> Path:
     """Stage 1 over (url, caption) rows at 64 px, loopback only; returns the output folder."""
     from pairforge.config import parse_config

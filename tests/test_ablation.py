@@ -3,23 +3,11 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from pairforge.download.alt_text import read_alt_text
 from pairforge.scenes.world import parse_caption, scenes
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "ablation.py"
-
-
-@pytest.fixture(scope="module")
-def ablation():
-    spec = importlib.util.spec_from_file_location("ablation", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("junk", [0.0, 0.1])

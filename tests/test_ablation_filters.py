@@ -4,7 +4,6 @@ scheduling. Nothing here builds or trains (bench/RESULTS.md has the measured run
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import threading
 import time
@@ -16,16 +15,6 @@ import pytest
 
 from pairforge.config import parse_config
 from pairforge.scenes.world import scenes
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "ablation.py"
-
-
-@pytest.fixture(scope="module")
-def ablation():
-    spec = importlib.util.spec_from_file_location("ablation_filters", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def configs(ablation, tmp_path: Path) -> dict:

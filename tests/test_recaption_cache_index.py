@@ -156,11 +156,8 @@ def test_an_interrupted_compaction_leaves_the_index_as_it_was(tmp_path) -> None:
     compact(logs.folder, {}, 2)
     for n in range(4):
         logs.write(f"b-{n:04d}.parquet", 30)
-    plan = cache_index.plan_compaction(logs.folder, {}, 2)
-    names = [n for unit in plan.units for n in unit]
-    plan = cache_index.with_layout(plan, dict(zip(names, cache_index.count_rows(plan, names),
-                                                  strict=True)))
-    plan = cache_index.with_centroids(plan)
+    plan = cache_index.with_centroids(
+        cache_index.laid_out(cache_index.plan_compaction(logs.folder, {}, 2)))
     for unit in range(len(plan.units)):
         cache_index.scatter(plan, unit)
     cache_index.merge(plan, "exact", cache_index.merge_groups(plan.exact_bits)[0])
@@ -186,20 +183,6 @@ def _lapse_pins(folder: OutputDir) -> None:
     for name in folder.glob(f"{INDEX_FOLDER}/pin-*.json"):
         entry = folder.read_json(INDEX_FOLDER, name)
         folder.write_json({**entry, "until": 0.0}, INDEX_FOLDER, name)
-
-
-def _fold(plan: cache_index.Compaction) -> tuple[cache_index.Compaction, dict[str, int]]:
-    """A compaction's tasks in this process, up to its commit."""
-    names = [n for unit in plan.units for n in unit]
-    plan = cache_index.with_layout(plan, dict(zip(names, cache_index.count_rows(plan, names),
-                                                  strict=True)))
-    plan = cache_index.with_centroids(plan)
-    for unit in range(len(plan.units)):
-        cache_index.scatter(plan, unit)
-    return plan, {kind: sum(cache_index.merge(plan, kind, g) for g in
-                            cache_index.merge_groups(getattr(plan, f"{kind}_bits")))
-                  for kind in ("exact", "bands")} | {"vectors": sum(
-        cache_index.merge_vectors(plan, g) for g in cache_index.cluster_groups(plan.clusters))}
 
 
 def test_a_readers_generation_outlives_later_commits_while_pinned(tmp_path, caplog) -> None:
@@ -239,7 +222,8 @@ def test_two_compactions_from_one_generation_both_commit(tmp_path) -> None:
     logs.write("b-0000.parquet", 30)
     slow = cache_index.plan_compaction(logs.folder, {}, 2)
     cache_index.pin_compaction(slow)
-    slow, counts = _fold(slow)  # its tasks are done; its commit comes after the other's
+    # its tasks are done; its commit comes after the other's
+    slow, counts = cache_index.fold(cache_index.laid_out(slow))
     fast = compact(logs.folder, {}, 2)
     index = logs.root / INDEX_FOLDER
     assert (index / slow.work).is_dir() and (index / slow.name).is_dir()

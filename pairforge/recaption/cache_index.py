@@ -540,23 +540,29 @@ def compact(folder: OutputDir, storage_options: dict[str, Any],
             phash_distance: int) -> dict[str, Any] | None:
     """A whole compaction in this process (``pipeline/caption_index.py`` runs the same
     steps as Ray tasks); returns the new marker, or None when there was nothing to do."""
-    plan = _laid_out(plan_compaction(folder, storage_options, phash_distance))
+    plan = laid_out(plan_compaction(folder, storage_options, phash_distance))
     if plan is not None and outgrown(plan):
-        plan = _laid_out(plan_compaction(folder, storage_options, phash_distance, True))
+        plan = laid_out(plan_compaction(folder, storage_options, phash_distance, True))
     if plan is None:
         return None
     pin_compaction(plan)
     try:
-        plan = with_centroids(plan)
-        for unit in range(len(plan.units)):
-            scatter(plan, unit)
-        counts = {"exact": sum(merge(plan, "exact", g) for g in merge_groups(plan.exact_bits)),
-                  "bands": sum(merge(plan, "bands", g) for g in merge_groups(plan.bands_bits)),
-                  "vectors": sum(merge_vectors(plan, g) for g in cluster_groups(plan.clusters))}
+        plan, counts = fold(plan)
     except BaseException:
         unpin_compaction(plan)
         raise
     return commit(plan, counts)
+
+
+def fold(plan: Compaction) -> tuple[Compaction, dict[str, int]]:
+    """A laid-out compaction's tasks in this process, up to its commit: the plan with its
+    clusters, and the index rows of each kind."""
+    plan = with_centroids(plan)
+    for unit in range(len(plan.units)):
+        scatter(plan, unit)
+    return plan, {"exact": sum(merge(plan, "exact", g) for g in merge_groups(plan.exact_bits)),
+                  "bands": sum(merge(plan, "bands", g) for g in merge_groups(plan.bands_bits)),
+                  "vectors": sum(merge_vectors(plan, g) for g in cluster_groups(plan.clusters))}
 
 
 def with_centroids(plan: Compaction) -> Compaction:
@@ -570,7 +576,8 @@ def with_centroids(plan: Compaction) -> Compaction:
     return plan
 
 
-def _laid_out(plan: Compaction | None) -> Compaction | None:
+def laid_out(plan: Compaction | None) -> Compaction | None:
+    """The plan with its layout, from its new log parts' row counts (their footers)."""
     if plan is None:
         return None
     names = [n for unit in plan.units for n in unit]
