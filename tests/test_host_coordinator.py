@@ -97,6 +97,48 @@ def test_a_released_or_lapsed_lease_frees_its_share_and_idle_hosts_go():
     assert _ask(book, "c")["rate"] == 20.0
 
 
+def test_a_crawl_delay_host_is_sent_to_by_one_turn_at_a_time_a_delay_apart():
+    """Crawl-delay 0.5 s under a cap of 20/s: one holder at a time at 2/s with no burst;
+    the next turn is set a lease before the current ends and begins a delay after it; a
+    holder that lets go ends its turn there; a sole holder's turn is extended with no gap."""
+    clock = Clock()
+    book = HostBook(_limits(), lease_s=2.0, clock=clock)
+
+    def renew(*tasks: str) -> list[dict[str, Any]]:  # a second later, as holders do
+        clock.now += 1.0
+        return [_ask(book, task, spacing=0.5) for task in tasks]
+
+    a = _ask(book, "a", spacing=0.5)
+    assert (a["rate"], a["burst"], a["turn"], a["starts_in"], a["ends_in"]) == (
+        2.0, 1.0, 1, 0.0, 8.0)
+    b = _ask(book, "b", spacing=0.5)
+    assert (b["rate"], "turn" in b) == (0.0, False)  # a's turn: b waits
+    for _ in range(5):
+        assert "turn" not in renew("b", "a")[0]
+    b, a = renew("b", "a")  # at 106 a's turn ends within a lease: b's is set
+    assert (b["rate"], b["turn"], b["starts_in"], b["ends_in"]) == (2.0, 2, 2.5, 10.5)
+    assert (a["turn"], a["ends_in"]) == (1, 2.0)  # not extended: b is next
+    for _ in range(4):  # b's turn (108.5 .. 116.5); a waits for the one after
+        b, a = renew("b", "a")
+    assert (b["turn"], "turn" in a) == (2, False)
+    book.exchange("b", [{"host": "h", "release": True}])  # b lets go at 110
+    a = _ask(book, "a", spacing=0.5)
+    assert (a["turn"], a["starts_in"], a["ends_in"]) == (3, 0.5, 8.5)  # a delay after
+    for _ in range(10):  # a alone: its turn is extended, with no gap
+        (a,) = renew("a")
+        assert (a["turn"], a["starts_in"] == 0.0, a["ends_in"] > 1.0) == (3, True, True)
+    book.exchange("a", [{"host": "h", "release": True}])
+    clock.now += 0.2  # nobody holds it, yet the host stays until a delay has passed
+    assert _ask(book, "c", spacing=0.5)["starts_in"] == pytest.approx(0.3)
+
+
+def test_a_crawl_delay_slower_than_the_cap_and_a_cap_slower_than_the_delay():
+    book = HostBook(_limits(rate=1.0), clock=Clock())
+    assert (_ask(book, "a", spacing=0.5)["rate"], _ask(book, "a")["burst"]) == (1.0, 1.0)
+    book = HostBook(_limits(rate=None), clock=Clock())
+    assert _ask(book, "a", spacing=4.0)["rate"] == 0.25
+
+
 def test_no_cap_grants_no_rate_and_still_divides_connections():
     book = HostBook(_limits(rate=None), clock=Clock())
     a = _ask(book, "a")
@@ -380,14 +422,14 @@ def test_a_crawl_delay_spaces_the_requests_of_every_node(tmp_path, images):
     with Polite(images) as server:
         gates = [ConsentGate(cfg, tmp_path / f"node{i}", link=link) for i in range(2)]
         fetchers = [Fetcher(cfg, gate=g, hosts=HostPolicy(cfg, link)) for g in gates]
-        urls = [server.url(f"/n/{t}-{i}") for t in range(2) for i in range(4)]
-        with ThreadPoolExecutor(8) as pool:
+        urls = [server.url(f"/n/{t}-{i}") for t in range(2) for i in range(8)]
+        with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda u: fetchers[int(u.rsplit("/", 1)[1][0])].fetch(u),
                                     urls))
         for fetcher, gate in zip(fetchers, gates, strict=True):
             fetcher.close()
             gate.close()
-    assert [r.status for r in results] == [Status.OK] * 8
+    assert [r.status for r in results] == [Status.OK] * 16
     times = sorted(t for t, p in server.arrivals if p.startswith("/n/"))
     # the client spaces the sends; 30 ms covers scheduling between send and arrival
     assert min(b - a for a, b in zip(times, times[1:], strict=False)) >= 0.2 - 0.03

@@ -11,9 +11,19 @@ so that no request waits on a remote call. :class:`HostBook` is the arithmetic:
   remainder by a fixed order of the tasks). A new holder is given only what the live
   leases leave free, so the grants never add up to more than the rate; the holders'
   shares shrink to theirs as they renew (every half lease), and the rest goes to the
-  newcomer at its next ask. The burst is divided in proportion. Where the host's
-  robots.txt asks for a slower pace (``Crawl-delay``, which the tasks report), that is
-  the rate divided, with no burst.
+  newcomer at its next ask. The burst is divided in proportion.
+* **Crawl-delay.** Where the host's robots.txt asks for a pace (``Crawl-delay``, which
+  the tasks report), a divided rate is not enough: two tasks each within their share can
+  still send a moment apart. The host's holders then send by **turns**: one holder at a
+  time, at the slower of the cap and one request per delay, with no burst; a turn lasts
+  ``TURN_LEASES`` leases (or ``TURN_SPACINGS`` delays, if longer) and the next holder's
+  begins one delay after it ends (or after its holder let go of the host, or its lease
+  ended). The next turn goes to the holder that had one least recently, and is set a
+  lease before the current one ends, so its holder knows its start in time. A grant
+  carries its turn as durations (``starts_in``, ``ends_in``); the holder counts the end
+  from when it asked and the start from when it was answered, so the turns of two
+  holders never overlap on their own clocks either. A sole holder's turn is extended
+  without a gap.
 * **Connections.** ``per_host_connections`` is divided the same way, in whole
   connections.
 * With more holders than units (requests a second, connections), the units go to the
@@ -47,6 +57,8 @@ LEASE_S = 2.0  # a lease's life; holders renew at half of it
 BREAKER_KEEP_S = 600.0  # how long a host whose breaker opened is kept after its last ask
 FILE_CLAIM_S = 60.0  # a claim to fetch an origin's file lapses after this (its task died)
 FILE_STORE_BYTES = 32 << 20  # the files a coordinator keeps, at most
+TURN_LEASES = 4  # a Crawl-delay host's turn: this many leases ...
+TURN_SPACINGS = 4  # ... or this many of its delays, if longer
 
 
 def shard_of(host: str, shards: int) -> int:
@@ -85,6 +97,16 @@ def _rank(host: _Host, task: str, rotate: bool, what: str) -> int:
 
 
 @dataclass
+class _Turn:
+    """When one holder of a Crawl-delay host may send (the coordinator's clock)."""
+
+    task: str
+    starts: float
+    ends: float
+    number: int
+
+
+@dataclass
 class _Host:
     holders: dict[str, _Holder] = field(default_factory=dict)
     failures: int = 0  # transient failures in a row, all tasks together
@@ -93,6 +115,9 @@ class _Host:
     given_up: bool = False
     touched: float = 0.0
     spacing: float = 0.0  # robots.txt's Crawl-delay, the longest a task reported
+    turns: list[_Turn] = field(default_factory=list)  # the current turn and the next
+    last_end: float = float("-inf")  # when the last turn that is over ended
+    turns_made: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,6 +163,8 @@ class HostBook:
             if ask.get("release"):  # its last reports first: an opening it made counts
                 counted = self._breaker(host, ask, now)
                 host.holders.pop(task, None)
+                if host.spacing > 0:
+                    self._schedule(host, now)  # its turn ends now: the next may begin
                 grants.append({**self._grant(ask["host"], host, _Holder(), counted, now),
                                "released": True})
                 continue
@@ -145,18 +172,58 @@ class HostBook:
             counted = self._breaker(host, ask, now)
             holder = host.holders.setdefault(task, _Holder())
             self._share(host, task, holder, now)
-            grants.append(self._grant(ask["host"], host, holder, counted, now))
+            turn = None
+            if host.spacing > 0:
+                self._schedule(host, now)
+                turn = self._turn(host, task)
+                holder.rate = self.rate_of(host)[0] if turn is not None else 0.0
+            grants.append(self._grant(ask["host"], host, holder, counted, now, turn))
         return grants
 
     # shares ---------------------------------------------------------------------------
 
     def rate_of(self, host: _Host) -> tuple[float | None, float]:
-        """The host's rate and burst for the run: the cap, or robots.txt's Crawl-delay
-        where that is slower (one request per delay, no burst)."""
+        """The host's rate and burst for the run: the cap; under a Crawl-delay the
+        slower of the cap and one request per delay, with no burst (a turn's holder
+        alone sends at it)."""
         rate, burst = self.limits.rate, self.limits.burst
-        if host.spacing > 0 and (rate is None or 1.0 / host.spacing < rate):
-            return 1.0 / host.spacing, 1.0
+        if host.spacing > 0:
+            return min(rate or math.inf, 1.0 / host.spacing), 1.0
         return rate, burst
+
+    def _turn(self, host: _Host, task: str) -> _Turn | None:
+        return next((turn for turn in host.turns if turn.task == task), None)
+
+    def _schedule(self, host: _Host, now: float) -> None:
+        """Bring a Crawl-delay host's turns up to ``now``: end those that are over or
+        whose holder left (it sent nothing since: a release follows its last request, an
+        expired lease let it send only until then), and set the next turn once the
+        current one ends within a lease."""
+        kept = []
+        for turn in host.turns:
+            if turn.task not in host.holders:
+                if turn.starts >= now:
+                    continue  # never began
+                turn.ends = min(turn.ends, now)
+            if turn.ends <= now:
+                host.last_end = max(host.last_end, turn.ends)
+                continue
+            kept.append(turn)
+        host.turns = kept
+        if len(kept) > 1 or not host.holders or (kept and kept[0].ends - now > self.lease_s):
+            return
+        length = max(TURN_LEASES * self.lease_s, TURN_SPACINGS * host.spacing)
+        current = kept[0] if kept else None
+        waiting = sorted((h.served_rate, t) for t, h in host.holders.items()
+                         if current is None or t != current.task)
+        if current is not None and not waiting:
+            current.ends = now + length  # the sole holder: no gap, its own bucket spaces
+            return
+        task = waiting[0][1]
+        starts = max(now, (current.ends if current else host.last_end) + host.spacing)
+        host.turns_made += 1
+        kept.append(_Turn(task, starts, starts + length, host.turns_made))
+        host.holders[task].served_rate = now
 
     def _share(self, host: _Host, task: str, holder: _Holder, now: float) -> None:
         limits, others = self.limits, [h for t, h in host.holders.items() if t != task]
@@ -180,8 +247,12 @@ class HostBook:
             host = self.hosts[name]
             for task in [t for t, h in host.holders.items() if h.expires <= now]:
                 del host.holders[task]
+            if host.spacing > 0:
+                self._schedule(host, now)
             if host.holders:
                 continue
+            if now < host.last_end + host.spacing:
+                continue  # kept until the last turn is a delay behind: the next one waits
             # a breaker that opened is kept a while: the next pause doubles, and a host
             # given up stays given up for the tasks that come later
             if not host.opened or now - host.touched > BREAKER_KEEP_S:
@@ -223,13 +294,17 @@ class HostBook:
         return self.limits.pause_s * 2 ** (opened - 1)
 
     def _grant(self, name: str, host: _Host, holder: _Holder, counted: bool,
-               now: float) -> dict[str, Any]:
+               now: float, turn: _Turn | None = None) -> dict[str, Any]:
         rate, burst = self.rate_of(host)
-        return {"host": name, "rate": holder.rate if rate is not None else None,
-                "burst": burst * holder.rate / rate if rate else burst,
-                "connections": holder.connections, "lease_s": self.lease_s,
-                "opened": host.opened, "pause_left": max(0.0, host.paused_until - now),
-                "given_up": host.given_up, "counted": counted}
+        grant = {"host": name, "rate": holder.rate if rate is not None else None,
+                 "burst": burst * holder.rate / rate if rate else burst,
+                 "connections": holder.connections, "lease_s": self.lease_s,
+                 "opened": host.opened, "pause_left": max(0.0, host.paused_until - now),
+                 "given_up": host.given_up, "counted": counted}
+        if turn is not None:
+            grant.update(turn=turn.number, starts_in=max(0.0, turn.starts - now),
+                         ends_in=turn.ends - now)
+        return grant
 
 
 class FileStore:

@@ -305,9 +305,14 @@ class HostLeases:
                     continue  # released (an idle host's release carries no report)
                 if entry.spacing > asked.get(grant["host"], {}).get("spacing", 0.0):
                     continue  # granted before the coordinator knew the Crawl-delay
-                entry.grant, entry.fallback = grant, False
                 entry.expires = sent_at + grant["lease_s"]
                 entry.renew_at = sent_at + grant["lease_s"] / 2
+                if grant.get("turn") is not None:  # a Crawl-delay host's turn: see
+                    ends = sent_at + grant["ends_in"]  # host_coordinator; its end counted
+                    entry.expires = min(entry.expires, ends)  # from the ask, its start
+                    entry.renew_at = min(entry.renew_at, ends)  # from the answer
+                    grant = {**grant, "starts_at": now + grant["starts_in"]}
+                entry.grant, entry.fallback = grant, False
                 self.on_grant(grant["host"], grant, now)
 
     def _lost(self, shard: int, batch: list[dict[str, Any]], error: Any, now: float) -> None:

@@ -17,8 +17,9 @@ the log says so), applies the same settings to itself alone: the **per-task rule
   that shrinks applies at once. It sits beside the connection budget
   (``per_host_connections``, divided the same way in whole connections) and robots.txt's
   Crawl-delay (``download/consent.py``): a request waits for all three. Under a lease the
-  Crawl-delay is part of the host's run-wide rate (the coordinator divides the slower of
-  the two); under the per-task rule the gate keeps it per node.
+  Crawl-delay is the coordinator's: the host's holders send by turns, one at a time at
+  one request per delay (``host_coordinator.py``); under the per-task rule the gate keeps
+  it per node.
 * **Backoff** on 429/5xx and refused or cut connections without Retry-After: "full
   jitter", a uniform delay in [0, ``backoff`` x 2^attempt] (``pairforge/backoff.py``, the
   one backoff rule), so the threads and tasks that failed together do not come back
@@ -96,6 +97,7 @@ class HostPolicy:
         self.max_pauses = cfg.host_max_pauses
         self._own = _Limits(self.rate, self.burst, self.burst, self.connections)
         self._tokens: dict[str, tuple[float, float]] = {}  # host: (tokens, at)
+        self._turns: dict[str, int] = {}  # host: the Crawl-delay turn its bucket is in
         self._in_use: Counter[str] = Counter()  # requests in flight per host
         self._breakers: dict[str, _Breaker] = defaultdict(_Breaker)
         self._lock = threading.Lock()
@@ -246,7 +248,12 @@ class HostPolicy:
             self.counts[host]["paused_ms"] += round(pause * 1000)
 
     def _granted(self, host: str, grant: dict[str, Any], now: float) -> None:
-        """A coordinator's grant (under the lock): take its breaker, count its opening."""
+        """A coordinator's grant (under the lock): start a new Crawl-delay turn's bucket,
+        take its breaker, count its opening."""
+        if grant.get("turn") is not None and self._turns.get(host) != grant["turn"]:
+            # one token at the turn's start, none before: the first request waits for it
+            self._turns[host] = grant["turn"]
+            self._tokens[host] = (1.0, grant["starts_at"])
         if self.failures is None:
             return
         if grant["counted"]:
