@@ -25,7 +25,9 @@ Each file is fetched once per origin (scheme, host, port) for a run, through a
 each hop vetted, another host allowed), and cached for 24 hours at most (RFC 9309 2.4),
 in three tiers: in memory for the task's threads; in the run's host coordinator of that
 host (``download/host_coordinator.py``'s ``FileStore``: the first task to ask fetches,
-the run's other tasks on every node wait for its answer); and as a file in the node's
+the run's other tasks on every node wait for its answer; its claim lives while it renews
+it, so a task lost with its node holds the others up for seconds, and the next to ask
+fetches the file); and as a file in the node's
 temporary folder, written atomically under a per-origin lock, behind the coordinator
 (a task run on its own, an origin the coordinator's bounded store dropped, or a
 coordinator that does not answer: then it is fetched once per node, as before issue 52).
@@ -42,6 +44,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -65,6 +68,10 @@ ROBOTS_PATH = "/robots.txt"
 FILE_MAX_BYTES = 500 * 1024  # Google parses the first 500 KiB of a robots.txt
 CACHE_TTL = 24 * 3600.0  # RFC 9309 2.4: a cached robots.txt is used for 24 hours at most
 _CACHE_ROOT = "pairforge-consent"
+# the longest a task waits for another task's fetch of a file, however long that one keeps
+# its claim (a live claimant renews it every RENEW_S; a dead one's lapses in FILE_CLAIM_S)
+FILE_WAIT_S = 60.0
+RENEW_S = FILE_CLAIM_S / 4
 # A file fetch that failed this way: the origin could not be asked (RFC 9309 2.3.1.4).
 _UNREACHABLE = {Status.HTTP_ERROR, Status.TIMEOUT, Status.DOWNLOAD_ERROR,
                 Status.BLOCKED_ADDRESS, Status.INVALID_URL}
@@ -126,6 +133,7 @@ class FileCache:
         self.fetch = fetch
         self.ttl = ttl
         self.link = link
+        self.claimant = uuid.uuid4().hex[:12]  # names this task's claims to a fetch
         self.fetched: Counter[str] = Counter()  # fetches this process made, by path
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -133,14 +141,15 @@ class FileCache:
         if self.link is None:
             return self._on_node(origin, path)
         key, shard = origin_url(origin) + path, shard_of(origin[1], self.link.shards)
-        waited_until, pause = time.monotonic() + FILE_CLAIM_S, 0.05
+        waited_until, pause = time.monotonic() + FILE_WAIT_S, 0.05
         try:
             while True:
-                state, entry = self.link.get_file(shard, key, self.ttl)
+                state, entry = self.link.get_file(shard, key, self.ttl, self.claimant)
                 if state == "hit" and entry is not None:
                     return HostFile(**entry)
                 if state == "fetch" or time.monotonic() > waited_until:
-                    found = self._on_node(origin, path)
+                    with self._renewing(shard, key):
+                        found = self._on_node(origin, path)
                     self.link.put_file(shard, key, found.__dict__)
                     return found
                 # another task fetches it; asked again less and less often, so that many
@@ -151,6 +160,30 @@ class FileCache:
             log.warning("host coordinator of %s did not answer for %s (%s): read through "
                         "this node's cache", origin_url(origin), path, err)
             return self._on_node(origin, path)
+
+    @contextmanager
+    def _renewing(self, shard: int, key: str) -> Iterator[None]:
+        """Renew this task's claim to fetch ``key`` while the block runs (a fetch may take
+        its timeouts and redirects, far longer than a claim lives): asked again under the
+        task's claimant, the coordinator extends the claim; a renewal that fails leaves
+        the claim to lapse, and at worst another task fetches the file too."""
+        assert self.link is not None
+        link, done = self.link, threading.Event()
+
+        def renew() -> None:
+            while not done.wait(RENEW_S):
+                try:
+                    link.get_file(shard, key, self.ttl, self.claimant)
+                except Exception:  # noqa: BLE001, S112 - a lost coordinator: lapses
+                    continue
+
+        renewer = threading.Thread(target=renew, name="file-claim", daemon=True)
+        renewer.start()
+        try:
+            yield
+        finally:
+            done.set()
+            renewer.join()  # a renewal that came after the put would claim the key again
 
     def _on_node(self, origin: Origin, path: str) -> HostFile:
         name = _entry_name(origin, path)

@@ -71,9 +71,10 @@ class HostCoordinator:
         self.last_call = time.monotonic()
         return self.book.exchange(task, asks)
 
-    def get_file(self, key: str, ttl: float) -> tuple[str, dict[str, Any] | None]:
+    def get_file(self, key: str, ttl: float, claimant: str | None = None
+                 ) -> tuple[str, dict[str, Any] | None]:
         self.last_call = time.monotonic()
-        return self.files.get(key, ttl)
+        return self.files.get(key, ttl, claimant)
 
     def put_file(self, key: str, entry: dict[str, Any]) -> None:
         self.last_call = time.monotonic()
@@ -156,11 +157,12 @@ class RayLink:
                 results[shard] = err
         return results
 
-    def get_file(self, shard: int, key: str, ttl: float) -> tuple[str, dict[str, Any] | None]:
+    def get_file(self, shard: int, key: str, ttl: float, claimant: str | None = None
+                 ) -> tuple[str, dict[str, Any] | None]:
         import ray
 
         try:
-            return ray.get(self._handle(shard).get_file.remote(key, ttl),
+            return ray.get(self._handle(shard).get_file.remote(key, ttl, claimant),
                            timeout=CALL_TIMEOUT_S)
         except Exception:
             self._forget(shard)

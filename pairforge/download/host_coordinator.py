@@ -39,7 +39,10 @@ so that no request waits on a remote call. :class:`HostBook` is the arithmetic:
 Bounded: a host's row lives while a lease of it is live, or, once its breaker opened,
 for ``BREAKER_KEEP_S`` after its last ask; the book holds no per-row data.
 :class:`FileStore` keeps the origins' robots.txt and tdmrep.json, fetched once for the
-run by the task the store asks to, in a byte-bounded LRU.
+run by the task the store asks to, in a byte-bounded LRU. That task's claim to the fetch
+lives while the task renews it (every half lease, ``consent.FileCache``), so a task lost
+with its node holds the others up for ``FILE_CLAIM_S`` (4 s) at most, where a claim of
+fixed life had to outlast the slowest fetch (a minute).
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ from pairforge.config import DownloadConfig
 
 LEASE_S = 2.0  # a lease's life; holders renew at half of it
 BREAKER_KEEP_S = 600.0  # how long a host whose breaker opened is kept after its last ask
-FILE_CLAIM_S = 60.0  # a claim to fetch an origin's file lapses after this (its task died)
+# a claim to fetch an origin's file lapses this long after its task last renewed it
+# (every half lease while it fetches): its task died, and another may fetch it
+FILE_CLAIM_S = 2 * LEASE_S
 FILE_STORE_BYTES = 32 << 20  # the files a coordinator keeps, at most
 TURN_LEASES = 4  # a Crawl-delay host's turn: this many leases ...
 TURN_SPACINGS = 4  # ... or this many of its delays, if longer
@@ -309,10 +314,10 @@ class HostBook:
 
 class FileStore:
     """Origins' files for the run, by key (origin URL and path): the first task to ask is
-    told to fetch (a claim, lapsing after ``claim_s``), the others to wait, and once put
-    every task gets the entry. At most ``max_bytes`` of entries, least recently used
-    dropped first (a dropped origin is fetched again: the nodes' own caches are behind
-    this one). Entries are plain dicts (``consent.HostFile``'s fields)."""
+    told to fetch (a claim, lapsing ``claim_s`` after its claimant last asked), the others
+    to wait, and once put every task gets the entry. At most ``max_bytes`` of entries,
+    least recently used dropped first (a dropped origin is fetched again: the nodes' own
+    caches are behind this one). Entries are plain dicts (``consent.HostFile``'s fields)."""
 
     def __init__(self, max_bytes: int = FILE_STORE_BYTES, claim_s: float = FILE_CLAIM_S,
                  clock=time.monotonic) -> None:
@@ -320,20 +325,24 @@ class FileStore:
         self.claim_s = claim_s
         self.clock = clock
         self._entries: OrderedDict[str, tuple[dict[str, Any], int]] = OrderedDict()
-        self._claims: dict[str, float] = {}  # key: until
+        self._claims: dict[str, tuple[str | None, float]] = {}  # key: (claimant, until)
         self.bytes = 0
 
-    def get(self, key: str, ttl: float) -> tuple[str, dict[str, Any] | None]:
+    def get(self, key: str, ttl: float, claimant: str | None = None
+            ) -> tuple[str, dict[str, Any] | None]:
         """``("hit", entry)``, ``("fetch", None)``: the caller fetches it and puts it, or
-        ``("wait", None)``: another task is fetching it."""
+        ``("wait", None)``: another task is fetching it. ``claimant`` names the caller's
+        claim: asking again under it renews the claim (the fetch goes on) where another
+        caller is told to wait; None: a claim no one renews."""
         found = self._entries.get(key)
         if found is not None and time.time() - found[0]["fetched_at"] < ttl:
             self._entries.move_to_end(key)
             return "hit", found[0]
         now = self.clock()
-        if self._claims.get(key, 0.0) > now:
+        holder, until = self._claims.get(key, (None, 0.0))
+        if until > now and (claimant is None or holder != claimant):
             return "wait", None
-        self._claims[key] = now + self.claim_s
+        self._claims[key] = (claimant, now + self.claim_s)
         return "fetch", None
 
     def put(self, key: str, entry: dict[str, Any]) -> None:
@@ -349,5 +358,5 @@ class FileStore:
         while self.bytes > self.max_bytes:
             _, (_, dropped) = self._entries.popitem(last=False)
             self.bytes -= dropped
-        for stale in [k for k, until in self._claims.items() if until <= self.clock()]:
+        for stale in [k for k, (_, until) in self._claims.items() if until <= self.clock()]:
             del self._claims[stale]

@@ -48,7 +48,8 @@ class CoordinatorLink(Protocol):
                      ) -> dict[int, list[Grant] | BaseException]:
         """Each coordinator's grants for its asks, or why it did not answer."""
 
-    def get_file(self, shard: int, key: str, ttl: float) -> tuple[str, dict[str, Any] | None]:
+    def get_file(self, shard: int, key: str, ttl: float, claimant: str | None = None
+                 ) -> tuple[str, dict[str, Any] | None]:
         """``FileStore.get`` on coordinator ``shard``."""
 
     def put_file(self, shard: int, key: str, entry: dict[str, Any]) -> None:
@@ -74,12 +75,17 @@ class LocalLink:
                     else self.books[shard].exchange(task, batch)
                     for shard, batch in asks.items()}
 
-    def get_file(self, shard: int, key: str, ttl: float) -> tuple[str, dict[str, Any] | None]:
+    def get_file(self, shard: int, key: str, ttl: float, claimant: str | None = None
+                 ) -> tuple[str, dict[str, Any] | None]:
         with self._lock:
-            return self.files[shard].get(key, ttl)
+            if shard in self.down:
+                raise ConnectionError(f"coordinator {shard} down")
+            return self.files[shard].get(key, ttl, claimant)
 
     def put_file(self, shard: int, key: str, entry: dict[str, Any]) -> None:
         with self._lock:
+            if shard in self.down:
+                raise ConnectionError(f"coordinator {shard} down")
             self.files[shard].put(key, entry)
 
 
