@@ -2,11 +2,13 @@
 
 A stage-1 run has ``coordinator_count`` coordinators, named ``pairforge-hosts-<run id>-<k>``
 in the ``pairforge-hosts`` namespace, so two runs never share one. The first shard task
-of the run that asks makes them (``get_if_exists``: the others find them); coordinator 0
-says how many there are, so every task hashes a host to the same one. Each is a
-zero-CPU, single-threaded actor holding a ``HostBook`` and a ``FileStore``
-(``download/host_coordinator.py``): per-host state for hosts with live leases only, and
-a byte-bounded cache of the origins' robots.txt and tdmrep.json.
+of the run that asks makes them (``get_if_exists``: the others find them), as many as the
+cluster's CPUs call for then, each made with that count. A task asks the first of them
+that answers how many there are, so every task hashes a host to the same one; one made
+again (lost for good mid-run) is made with the run's count, never the cluster's of that
+moment. Each is a zero-CPU, single-threaded actor holding a ``HostBook`` and a
+``FileStore`` (``download/host_coordinator.py``): per-host state for hosts with live
+leases only, and a byte-bounded cache of the origins' robots.txt and tdmrep.json.
 
 They live on Ray's head node (``HEAD_RESOURCE``), as the progress counter lives beside
 the driver, so a worker node lost mid-run takes none of them: its shard tasks are retried
@@ -101,33 +103,88 @@ def coordinator_count() -> int:
     return max(1, min(MAX_COORDINATORS, cpus // CPUS_PER_COORDINATOR + 1))
 
 
+def coordinator_name(run_id: str, shard: int) -> str:
+    return f"pairforge-hosts-{run_id}-{shard}"
+
+
 class RayLink:
     """A task's ``CoordinatorLink`` to the run's coordinators."""
 
     def __init__(self, run_id: str, limits: Limits) -> None:
-        import ray
-
         self.run_id = run_id
         self.limits = limits
         self._handles: dict[int, Any] = {}
-        self.shards = 1  # what _handle(0) needs, until coordinator 0 answers
-        self.shards = ray.get(self._handle(0).shard_count.remote(), timeout=MAKE_TIMEOUT_S)
-        # all of them up before the first lease, so a lease's call never waits for an
-        # actor's process to start (and a short call timeout means a lost coordinator)
-        ray.get([self._handle(k).shard_count.remote() for k in range(1, self.shards)],
-                timeout=MAKE_TIMEOUT_S)
+        self.shards = self._run_count()
+        self._warm_up()
 
-    def _handle(self, shard: int) -> Any:
+    def _run_count(self) -> int:
+        """The run's coordinator count, which every task must hash hosts by: asked of the
+        run's coordinators that exist, each made with it (and a restarted one made again
+        with it); only the run's first task, which finds none, counts the cluster's CPUs
+        (:func:`coordinator_count`) and makes coordinator 0 with that. Asking coordinator
+        0 alone made it again, once lost for good, with the cluster's count of that
+        moment (a node lost or added changes it), and a task then hashed hosts by
+        another count than the run's other tasks."""
+        import ray
+
+        refs = []
+        for shard in range(MAX_COORDINATORS):
+            try:
+                handle = ray.get_actor(coordinator_name(self.run_id, shard),
+                                       namespace=NAMESPACE)
+            except ValueError:
+                continue  # not made, or lost for good
+            refs.append(handle.shard_count.remote())
+        deadline = time.monotonic() + MAKE_TIMEOUT_S
+        while refs:  # the first that answers (a restarting one answers once it is back)
+            ready, refs = ray.wait(refs, num_returns=1,
+                                   timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            try:
+                return int(ray.get(ready[0]))
+            except Exception:  # noqa: BLE001, S112 - died meanwhile: ask the next
+                continue
+        return ray.get(self._handle(0, coordinator_count()).shard_count.remote(),
+                       timeout=MAKE_TIMEOUT_S)
+
+    def _warm_up(self) -> None:
+        """All the coordinators up before the first lease, so that a lease's call never
+        waits for an actor's process to start (its short timeout means a lost
+        coordinator). One that does not answer (restarting, or lost as the task starts)
+        is for the task's leases to find lost and take back when it answers
+        (``HostLeases``): the task does not give up the run-wide rule for all its hosts."""
+        import ray
+
+        refs = {}
+        for shard in range(self.shards):
+            try:
+                refs[shard] = self._handle(shard).shard_count.remote()
+            except Exception as err:  # noqa: BLE001 - its leases will say it is lost
+                log.warning("host coordinator %d of run %s not made (%s)", shard,
+                            self.run_id, err)
+                self._forget(shard)
+        deadline = time.monotonic() + MAKE_TIMEOUT_S
+        for shard, ref in refs.items():
+            try:
+                ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as err:  # noqa: BLE001 - its leases will say it is lost
+                log.warning("host coordinator %d of run %s did not answer at the task's "
+                            "start (%s)", shard, self.run_id, err)
+                self._forget(shard)
+
+    def _handle(self, shard: int, count: int | None = None) -> Any:
+        """Coordinator ``shard``, made with the run's count where it is not running
+        (``count``: before the task knows the run's count)."""
         import ray
 
         handle = self._handles.get(shard)
         if handle is None:
             handle = ray.remote(HostCoordinator).options(
-                name=f"pairforge-hosts-{self.run_id}-{shard}", namespace=NAMESPACE,
+                name=coordinator_name(self.run_id, shard), namespace=NAMESPACE,
                 lifetime="detached", get_if_exists=True, num_cpus=0,
                 resources={HEAD_RESOURCE: 0.001}, max_restarts=-1,
-                max_concurrency=1).remote(self.limits,
-                                          coordinator_count() if shard == 0 else self.shards)
+                max_concurrency=1).remote(self.limits, count or self.shards)
             self._handles[shard] = handle
         return handle
 
@@ -190,7 +247,7 @@ def end_run(run_id: str) -> int:
     ended = 0
     for shard in range(MAX_COORDINATORS):
         try:
-            handle = ray.get_actor(f"pairforge-hosts-{run_id}-{shard}", namespace=NAMESPACE)
+            handle = ray.get_actor(coordinator_name(run_id, shard), namespace=NAMESPACE)
         except ValueError:
             continue  # made only once a host of its share was asked for
         ray.kill(handle, no_restart=True)
