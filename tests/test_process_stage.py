@@ -314,10 +314,9 @@ def test_task_workers_outlive_pauses_while_actors_hold_the_cpus(ray_local):
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_gives_same_output(tmp_path, coco_raw, tiny_clip, ray_local):
-    """The CLI killed with SIGKILL while its last shard is held; the rerun (in this process)
-    completes it as one whole run would, to the bit (the same batch size: batching moves
-    CLIP's scores in the last float bits)."""
+def test_resume_after_sigkill_gives_same_output(tmp_path, coco_raw, tiny_clip, ray_env):
+    """The CLI (joined to this worker's Ray) killed with SIGKILL while its last shard is
+    held; the rerun (in this process) completes it as one whole run would, to the bit."""
     def config(out: Path) -> dict:
         cfg = _config(out, tiny_clip, mode="threshold", threshold=-1.0)
         cfg["process"]["clip"]["batch_size"] = 2
@@ -328,7 +327,7 @@ def test_resume_after_sigkill_gives_same_output(tmp_path, coco_raw, tiny_clip, r
     cfg_path.write_text(yaml.safe_dump(config(killed)))
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("hold_last_shard.py")),
                              "process", str(cfg_path), "-q"], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ray_env)
     deadline = time.monotonic() + 420  # a slow start on a loaded host is not a failure
     while not list((killed / "shards").glob("*_stats.json")):
         assert proc.poll() is None, proc.stderr.read().decode()
