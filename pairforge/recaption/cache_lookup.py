@@ -149,12 +149,22 @@ def _nbytes(rows: Rows | BandRows) -> int:
     return (table.nbytes if table is not None else 0) + sum(a.nbytes for a in arrays)
 
 
+def _parquet(handle: Any) -> pq.ParquetFile:
+    """An index file read in the calling thread: no pre-buffering (arrow's I/O threads),
+    and the callers decode with ``use_threads=False`` (arrow's CPU threads). A buffer
+    decoded in a worker thread and freed in this one leaves pages in that thread's
+    allocator heap: over ~10^4 reads of ~1 MiB clusters that kept growing the actor's RSS
+    (+190 MiB with 8 arrow threads at 10^6 vectors) while the partitions it held stayed
+    at 32 MiB (bench/RESULTS.md)."""
+    return pq.ParquetFile(handle, pre_buffer=False, read_dictionary=["log"])
+
+
 def _read(folder: OutputDir, path: str, columns: list[str]) -> pa.Table:
     """Some columns of an index file; the log part's name as a dictionary (a partition's
     rows come from few parts)."""
     with folder.fs.open(path, "rb") as f:
-        return pq.read_table(f, columns=columns, read_dictionary=["log"]
-                             ).replace_schema_metadata(None)
+        return _parquet(f).read(columns=columns, use_threads=False
+                                ).replace_schema_metadata(None)
 
 
 def _take_best(chunk: VectorRows, queries: np.ndarray, asking: np.ndarray,
@@ -379,9 +389,7 @@ class IndexedCaptionCache:
         path = cluster_path(self.folder, self.marker, cluster)
 
         def load() -> tuple[VectorRows, int]:
-            with self.folder.fs.open(path, "rb") as f:
-                table = pq.read_table(f).replace_schema_metadata(None).cast(VECTOR_SCHEMA)
-            rows = VectorRows(table)
+            rows = VectorRows(_read(self.folder, path, VECTOR_SCHEMA.names))
             return rows, _nbytes(rows)
 
         return self.partitions.get(("vectors", self.marker["folder"], cluster), load)
@@ -389,8 +397,9 @@ class IndexedCaptionCache:
     def _vector_chunk(self, path: str, group: int) -> VectorRows:
         def load() -> tuple[VectorRows, int]:
             with self.folder.fs.open(path, "rb") as f:
-                table = pq.ParquetFile(f).read_row_group(group)
-            rows = VectorRows(table.replace_schema_metadata(None).cast(VECTOR_SCHEMA))
+                table = _parquet(f).read_row_group(group, VECTOR_SCHEMA.names,
+                                                   use_threads=False)
+            rows = VectorRows(table.replace_schema_metadata(None))
             return rows, _nbytes(rows)
 
         return self.partitions.get(("vectors", group), load)
