@@ -216,19 +216,21 @@ FAST_LOOP_FIXTURES = {"ray_local": "e2e", "ray_cluster": "cluster", "s3_cluster_
 # of few long tests, builds and clusters, for the end, when one worker finished minutes
 # before the other). Longest first, the rest after them in their own order: the longest
 # processing time rule, so the workers end within about one file of each other. The order
-# is from `--durations=0` (issue 51; seconds per file under load ~30, the longest first);
+# is by CPU-seconds per file (each xdist worker's process tree in a cgroup of its own,
+# 2026-12-07: the suite is CPU-bound, ~2,000 CPU-s on 2 cores), the longest first;
 # a file not listed, or listed out of order, only makes the balance a little worse.
 LONGEST_FIRST = (
-    "tests/test_process_stage.py", "tests/test_cluster.py", "tests/test_recaption.py",
-    "tests/test_recaption_first.py", "tests/test_semantic_distributed.py",
-    "tests/test_dedup_distributed.py", "tests/test_reruns.py", "tests/test_download_stage.py",
-    "tests/test_train_run.py", "tests/test_build.py", "tests/test_serve_hostile.py",
-    "tests/test_serve.py", "tests/test_append.py", "tests/test_failure_breakdown.py",
-    "tests/test_semantic_dedup.py", "tests/test_force_flags.py", "tests/test_golden.py",
-    "tests/test_hostile_input.py", "tests/test_classifiers.py", "tests/test_retry_failed.py",
-    "tests/test_dedup.py", "tests/test_host_coordinator.py", "tests/test_recaption_eval.py",
-    "tests/test_tokenizers.py", "tests/test_onnx_classifier.py", "tests/test_scenes.py",
-    "tests/test_openai_client.py", "tests/test_ray_private.py")
+    "tests/test_process_stage.py", "tests/test_recaption.py", "tests/test_cluster.py",
+    "tests/test_recaption_first.py", "tests/test_dedup_distributed.py",
+    "tests/test_semantic_distributed.py", "tests/test_golden.py", "tests/test_train_run.py",
+    "tests/test_serve_hostile.py", "tests/test_download_stage.py", "tests/test_reruns.py",
+    "tests/test_serve.py", "tests/test_classifiers.py", "tests/test_semantic_dedup.py",
+    "tests/test_decode_in.py", "tests/test_serve_listeners.py", "tests/test_hostile_input.py",
+    "tests/test_force_flags.py", "tests/test_onnx_classifier.py", "tests/test_append.py",
+    "tests/test_ray_private.py", "tests/test_failure_breakdown.py", "tests/test_preflight.py",
+    "tests/test_recaption_cache_index.py", "tests/test_build.py", "tests/test_openai_client.py",
+    "tests/test_host_claims.py", "tests/test_dedup.py", "tests/test_host_coordinator.py",
+    "tests/test_jpegdecode.py")
 
 
 def _rank(item: pytest.Item) -> int:

@@ -2,7 +2,8 @@
 every model step. The decoding task and the first actor's decoding thread run on real Ray
 Data actor pools (the in-process ``ray_local``) over the same rows, through CLIP and our
 VQ (two views: open_clip's resize + crop and the VQ's square), and every output column is
-the same to the bit: the layout changes where the CPU work runs, never the bytes."""
+the same to the bit: the layout changes where the CPU work runs, never the bytes. So does
+fusing the model steps into one pool (``process.fuse_model_steps``) or not."""
 
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ COMPARED = ("status", "error", "clip_score", "clip_embedding", "image_tokens",
 
 
 def _where(cfg, where: str):  # noqa: ANN001, ANN202 - a PairforgeConfig
+    """``where``, and ``-pools`` at the end: a pool per model step (not fused)."""
+    where, pools = where.removesuffix("-pools"), where.endswith("-pools")
     decode = cfg.process.decode.model_copy(update={"where": where})
-    return cfg.model_copy(update={"process": cfg.process.model_copy(update={"decode": decode})})
+    return cfg.model_copy(update={"process": cfg.process.model_copy(
+        update={"decode": decode, "fuse_model_steps": not pools})})
 
 
 def _run(cfg, rows: pa.Table, decode_in: str) -> pa.Table:  # noqa: ANN001 - a PairforgeConfig
@@ -41,13 +45,14 @@ def test_every_layout_writes_the_same_columns(ray_local, tmp_path):
     rows = rows.append_column("train_caption", rows["caption"])  # the labels step's
     cfg = chain.chain_config(tmp_path)
     # (each step decoding for itself is test_one_decode's, in this process)
-    found = {arm: _run(cfg, rows, arm) for arm in ("tasks", "actor")}
+    found = {arm: _run(cfg, rows, arm) for arm in ("tasks", "actor", "tasks-pools")}
     for arm, out in found.items():
         assert out.num_rows == chain.N_ROWS, arm
         assert not [c for c in out.column_names if c.startswith("pixels.")], arm
         assert out["status"].to_pylist() == ["ok"] * (chain.N_ROWS - 1) + ["decode_error"]
     for column in COMPARED:
         assert found["actor"][column].to_pylist() == found["tasks"][column].to_pylist(), column
+        assert found["tasks-pools"][column].to_pylist() == found["tasks"][column].to_pylist()
     assert all(len(t) == 64 for t in found["actor"]["image_tokens"].to_pylist()[:-1])
 
 

@@ -138,15 +138,50 @@ def add_steps(ds: Any, steps: list[type[Step]], cfg: PairforgeConfig,
     drop_after = (*drop_after, *(v.column for v in views))
     in_actor = handed.process.decode.where == "actor"
     cut = False
-    for i, step in enumerate(steps):
+    groups = step_groups(steps, handed)
+    for i, group in enumerate(groups):
         decode: tuple[ImageView, ...] = ()
-        if issubclass(step, ModelStep) and not cut:
+        if issubclass(group[0], ModelStep) and not cut:
             ds = _cut_into_blocks(ds, max(*batch_sizes, block_rows))
             ds, decode = (ds, views) if in_actor else (_decode_views(ds, views), ())
             cut = True
-        ds = add_step(ds, step, handed, actor_cpus, drop_after if i == len(steps) - 1 else (),
-                      decode=decode)
+        drop = drop_after if i == len(groups) - 1 else ()
+        ds = (add_step(ds, group[0], handed, actor_cpus, drop, decode=decode)
+              if len(group) == 1 else add_fused(ds, group, handed, actor_cpus, drop, decode))
     return ds
+
+
+def _fusable(step: type[Step], cfg: StepConfig) -> bool:
+    """A model step that may share its actors with its neighbours: no GPU, no custom
+    resource (where its actors run is then anywhere), one batch at a time."""
+    if not issubclass(step, ModelStep):
+        return False
+    pool = step.pool_config(cfg)
+    return not pool.num_gpus and not pool.resources and step.concurrent_batches(cfg) <= 1
+
+
+def step_groups(steps: list[type[Step]], cfg: StepConfig) -> list[list[type[Step]]]:
+    """The chain as it runs, in order: with ``process.fuse_model_steps``, each run of
+    fusable model steps, with the plain steps between them, is one group (one actor
+    pool, ``FusedSteps``); every other step is a group of its own."""
+    if not cfg.process.fuse_model_steps:
+        return [[step] for step in steps]
+    groups: list[list[type[Step]]] = []
+    fused: list[type[Step]] | None = None
+    between: list[type[Step]] = []  # plain steps since the open group's last model step
+    for step in steps:
+        if _fusable(step, cfg) and fused is not None:
+            fused += [*between, step]
+            between = []
+        elif _fusable(step, cfg):
+            fused = [step]
+            groups.append(fused)
+        elif fused is not None and not issubclass(step, ModelStep):
+            between.append(step)
+        else:
+            groups += [[s] for s in between] + [[step]]
+            fused, between = None, []
+    return groups + [[s] for s in between]
 
 
 def chain_views(steps: list[type[Step]], cfg: StepConfig) -> tuple[ImageView, ...]:
@@ -188,6 +223,51 @@ class DecodingStep:
         batch = decode_views(batch, self.views, self.decoder)
         with self.turns:
             return self.step(batch, drop)
+
+
+class FusedSteps:
+    """A group of ``step_groups`` in one actor: its model steps loaded once, its plain
+    steps made per call (as their tasks do); a batch goes through them in order, each
+    model step called on at most its own ``batch_size`` rows at a time. With ``views``,
+    the actor decodes them first, in a second thread beside the other call's steps (as
+    ``DecodingStep``)."""
+
+    def __init__(self, group: tuple[type[Step], ...], cfg: StepConfig,
+                 views: tuple[ImageView, ...] = ()) -> None:
+        self.cfg, self.views = cfg, views
+        self.steps = [step(cfg) if issubclass(step, ModelStep) else step for step in group]
+        self.turns = threading.Lock()
+
+    def __call__(self, batch: pa.Table, drop: tuple[str, ...] = ()) -> pa.Table:
+        if self.views:
+            batch = decode_views(batch, self.views)
+        with self.turns:
+            for i, step in enumerate(self.steps):
+                last = drop if i == len(self.steps) - 1 else ()
+                if isinstance(step, type):
+                    batch = _run_plain_step(step, self.cfg, batch, last)
+                    continue
+                rows = type(step).pool_config(self.cfg).call_rows
+                batch = pa.concat_tables([step(batch.slice(at, rows), last)
+                                          for at in range(0, max(batch.num_rows, 1), rows)],
+                                         promote_options="permissive")
+        return batch
+
+
+def add_fused(ds: Any, group: list[type[Step]], cfg: StepConfig,
+              actor_cpus: dict[str, float] | None, drop: tuple[str, ...],
+              decode: tuple[ImageView, ...]) -> Any:
+    """Append a fused group: one pool of ``FusedSteps``, as many actors as its largest
+    pool, each reserving the most CPUs any of its steps asks (they run one after another,
+    not side by side)."""
+    models = [step for step in group if issubclass(step, ModelStep)]
+    pools = [step.pool_config(cfg) for step in models]
+    num_cpus = max((actor_cpus or {}).get(step.name, pool.num_cpus)
+                   for step, pool in zip(models, pools, strict=True))
+    return data_pool(ds, FusedSteps, size=max(p.pool_size for p in pools),
+                     batch_size=max(p.call_rows for p in pools), num_cpus=num_cpus,
+                     concurrent=2 if decode else 1, constructor_args=(tuple(group), cfg, decode),
+                     fn_kwargs={"drop": drop})
 
 
 def _cut_into_blocks(ds: Any, rows: int) -> Any:
