@@ -53,6 +53,7 @@ def test_speed_knobs_are_not_settings_but_what_shapes_bytes_is():
     faster = stage_settings(_cfg(clip={"pool_size": 4, "batch_size": 64, "num_cpus": 2}),
                             "process")
     assert faster == base
+    assert stage_settings(_cfg(fuse_model_steps=False), "process") == base
     other = stage_settings(_cfg(tasks={"p_drop": 0.5}), "process")
     assert {k for k in base if base[k] != other[k]} == {"process.tasks.p_drop"}
     download = stage_settings(_cfg(), "download")

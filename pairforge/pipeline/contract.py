@@ -113,6 +113,8 @@ class StageContract:
     output_files: tuple[str, ...] = ()  # files under OUT
 
 
+# process keys of no step's section that move work, never bytes: no digest records them
+PROCESS_SPEED_KEYS = ("fuse_model_steps",)
 DOWNLOAD_SPEED_KEYS = ("threads", "image_threads", "processes", "per_host_connections",
                        "timeout", "retries", "backoff", "max_retry_after", "user_agent",
                        "per_host_requests_per_s", "per_host_burst", "host_failures",
